@@ -1,0 +1,37 @@
+"""Exact rollout cost accounting per prompt group (DESIGN §1, item 6).
+
+Counters are incremented by the rollout worker as work happens, so they measure what was actually
+generated (including branches that K-pruning later drops), not a nominal budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class Budget:
+    """generated_tokens: sampled tokens; tool_calls: environment tool invocations; prefill_tokens:
+    prefix tokens the engine had to compute; cached_tokens: prefix tokens served from a KV cache;
+    leaves: finished trajectories produced."""
+
+    generated_tokens: int = 0
+    tool_calls: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    leaves: int = 0
+
+    def add(self, other: Budget) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def total(budgets: dict[int, Budget]) -> Budget:
+    """Sum of per-group budgets."""
+    out = Budget()
+    for budget in budgets.values():
+        out.add(budget)
+    return out

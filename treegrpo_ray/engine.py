@@ -1,0 +1,63 @@
+"""The Engine protocol: what a rollout engine must do (DESIGN §4). No implementation here.
+
+Engines are token-in / token-out: the learner trains on exactly the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_p < 1 samples from the nucleus; seed makes a call
+    reproducible (None: the engine's own generator)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """prefix_ids: the full token prefix to continue. stop_sequences: token-id sequences that end
+    generation (included in the output). cache_hint: an opaque key of the prefix (e.g. the tree node
+    it extends) that an engine with a prefix cache may use."""
+
+    prefix_ids: tuple[int, ...]
+    params: SamplingParams
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    cache_hint: Any = None
+
+
+@dataclass
+class GenerationResult:
+    """token_ids: the new tokens; logprobs: their log-probabilities under the sampling distribution
+    (logits / temperature, before top-p truncation; under T = 1 for greedy); finish_reason: ``stop``
+    (a stop sequence ended it), ``length`` (max_new_tokens reached) or ``context`` (the model's context
+    is full or the prefix alone exceeds it); prefill_tokens / cached_tokens: prefix tokens computed vs
+    served from a cache."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    prefill_tokens: int
+    cached_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A batched generator with a policy version."""
+
+    version: int
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Continue every request's prefix; results in request order."""
+        ...
+
+    def load_weights(self, version: int, payload: Any) -> None:
+        """Switch to policy ``version``; no KV computed under an older version may be reused."""
+        ...

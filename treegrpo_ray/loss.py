@@ -1,0 +1,88 @@
+"""PPO policy loss with dual clip, k3 KL to the reference policy and an entropy bonus.
+
+Every tensor below is (B, T) over response positions; ``loss_mask`` is 1 on action tokens and 0 on
+prompt, observation and padding tokens, so observation tokens never enter the loss. Aggregation is
+token-mean: the sum over all masked tokens of the batch divided by their count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PPOCoefficients:
+    """clip_ratio: ε of the clipped ratio; dual_clip: c of the dual clip (lower bound of the loss
+    for negative advantages, c > 1); kl_coef: weight of the k3 KL to the reference; entropy_coef:
+    weight of the entropy bonus."""
+
+    clip_ratio: float = 0.2
+    dual_clip: float = 3.0
+    kl_coef: float = 0.001
+    entropy_coef: float = 0.001
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean of ``values`` over ``mask`` (both (B, T)); 0 when the mask is empty."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's low-variance estimator of KL(π || π_ref): exp(r) - r - 1 with r = ref - logp."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def dual_clip_pg_losses(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio: float,
+    dual_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped policy-gradient loss and a 0/1 tensor of where clipping bound it.
+
+    ``max(-A·ρ, -A·clip(ρ, 1±ε))``, and for A < 0 additionally ``min(·, -A·c)`` (dual clip).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    pg = torch.maximum(unclipped, clipped)
+    dual = torch.minimum(pg, -advantages * dual_clip)
+    losses = torch.where(advantages < 0, dual, pg)
+    was_clipped = (clipped > unclipped) | ((advantages < 0) & (dual < pg))
+    return losses, was_clipped.float()
+
+
+def ppo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    coef: PPOCoefficients,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean PPO loss ``pg + kl_coef·KL - entropy_coef·H`` and its parts (for metrics).
+
+    All inputs are (B, T); ``advantages`` is the leaf advantage broadcast over its tokens.
+    Returns the scalar loss and ``learner/...`` statistics.
+    """
+    pg, clipped = dual_clip_pg_losses(
+        logprobs, old_logprobs, advantages, coef.clip_ratio, coef.dual_clip
+    )
+    kl = k3_kl(logprobs, ref_logprobs)
+    pg_loss = masked_mean(pg, loss_mask)
+    kl_loss = masked_mean(kl, loss_mask)
+    entropy_mean = masked_mean(entropy, loss_mask)
+    loss = pg_loss + coef.kl_coef * kl_loss - coef.entropy_coef * entropy_mean
+    stats = {
+        "learner/pg_loss": pg_loss.item(),
+        "learner/kl": kl_loss.item(),
+        "learner/entropy": entropy_mean.item(),
+        "learner/pg_clipfrac": masked_mean(clipped, loss_mask).item(),
+        "learner/approx_kl_old": masked_mean(old_logprobs - logprobs, loss_mask).item(),
+    }
+    return loss, stats

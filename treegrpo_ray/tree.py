@@ -1,0 +1,170 @@
+"""Agent-step trees and their Arrow form (DESIGN §3).
+
+A node is one complete agent step: the policy's action tokens followed by the environment's
+observation tokens. The root is the prompt and is not a node; its children have ``parent_id == -1``.
+Token ids are the truth; text is only for display.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+ROOT = -1
+
+NODE_SCHEMA = pa.schema(
+    [
+        ("tree_id", pa.int64()),
+        ("group_id", pa.int64()),
+        ("node_id", pa.int32()),
+        ("parent_id", pa.int32()),
+        ("depth", pa.int32()),
+        ("action_ids", pa.list_(pa.int32())),
+        ("action_logprobs", pa.list_(pa.float32())),
+        ("obs_ids", pa.list_(pa.int32())),
+        ("finished", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float32()),
+        ("policy_version", pa.int32()),
+        ("role", pa.string()),
+        ("tool_call", pa.bool_()),
+        # The prompt's token ids, stored once per tree: on its first row, null on the others.
+        ("prompt_ids", pa.list_(pa.int32())),
+    ]
+)
+
+
+@dataclass
+class AgentStep:
+    """One node: an action (generated tokens) and the observation the environment returned.
+
+    ``reward`` is NaN except on leaves (``finished``). ``env_state`` is the environment state after
+    this step; it lets the tree branch from here and never leaves the rollout worker.
+    """
+
+    node_id: int
+    parent_id: int
+    depth: int
+    action_ids: list[int]
+    action_logprobs: list[float]
+    obs_ids: list[int]
+    finished: bool
+    finish_reason: str
+    policy_version: int
+    role: str
+    tool_call: bool
+    reward: float = math.nan
+    env_state: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def token_count(self) -> int:
+        return len(self.action_ids) + len(self.obs_ids)
+
+
+@dataclass
+class Tree:
+    """One search tree of a prompt group: the prompt and its agent-step nodes.
+
+    Nodes are stored in creation order, so a parent always precedes its children.
+    """
+
+    tree_id: int
+    group_id: int
+    prompt_ids: list[int]
+    nodes: list[AgentStep] = field(default_factory=list)
+    root_state: Any = field(default=None, repr=False, compare=False)
+
+    def node(self, node_id: int) -> AgentStep:
+        return self.nodes[node_id]
+
+    def add(self, parent_id: int, **fields: Any) -> AgentStep:
+        """Append a child of ``parent_id`` (``ROOT`` for the prompt) and return it."""
+        depth = 0 if parent_id == ROOT else self.nodes[parent_id].depth + 1
+        node = AgentStep(node_id=len(self.nodes), parent_id=parent_id, depth=depth, **fields)
+        self.nodes.append(node)
+        return node
+
+    def leaves(self) -> list[AgentStep]:
+        return [n for n in self.nodes if n.finished]
+
+    def expandable(self) -> list[int]:
+        """Node ids a new branch may start from: the root (``ROOT``) and every non-leaf node."""
+        return [ROOT] + [n.node_id for n in self.nodes if not n.finished]
+
+    def path(self, node_id: int) -> list[AgentStep]:
+        """Nodes from the root's child down to ``node_id`` (inclusive); empty for ``ROOT``."""
+        path = []
+        while node_id != ROOT:
+            node = self.nodes[node_id]
+            path.append(node)
+            node_id = node.parent_id
+        return path[::-1]
+
+    def prefix_ids(self, node_id: int) -> list[int]:
+        """Token ids a continuation of ``node_id`` is conditioned on: prompt + path tokens."""
+        ids = list(self.prompt_ids)
+        for node in self.path(node_id):
+            ids += node.action_ids + node.obs_ids
+        return ids
+
+    def state_at(self, node_id: int) -> Any:
+        return self.root_state if node_id == ROOT else self.nodes[node_id].env_state
+
+    def keep_leaves(self, leaf_ids: set[int]) -> None:
+        """Prune every node that is not on a path to one of ``leaf_ids``; renumber in order."""
+        keep: set[int] = set()
+        for leaf_id in leaf_ids:
+            keep.update(n.node_id for n in self.path(leaf_id))
+        new_ids = {old: new for new, old in enumerate(sorted(keep))}
+        kept = [self.nodes[old] for old in sorted(keep)]
+        for node in kept:
+            node.node_id = new_ids[node.node_id]
+            node.parent_id = ROOT if node.parent_id == ROOT else new_ids[node.parent_id]
+        self.nodes = kept
+
+
+def trees_to_arrow(trees: list[Tree], metadata: dict[str, Any] | None = None) -> pa.Table:
+    """Serialise trees to one Arrow table, one row per node (DESIGN §3).
+
+    ``metadata`` (JSON-serialisable) travels in the schema metadata under ``treegrpo``.
+    """
+    columns: dict[str, list[Any]] = {name: [] for name in NODE_SCHEMA.names}
+    for tree in trees:
+        if not tree.nodes:
+            raise ValueError(f"tree {tree.tree_id} has no nodes; only expanded trees can be sent")
+        for node in tree.nodes:
+            columns["tree_id"].append(tree.tree_id)
+            columns["group_id"].append(tree.group_id)
+            columns["prompt_ids"].append(tree.prompt_ids if node.node_id == 0 else None)
+            for name in NODE_SCHEMA.names[2:-1]:
+                columns[name].append(getattr(node, name))
+    schema = NODE_SCHEMA.with_metadata({"treegrpo": json.dumps(metadata or {})})
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def trees_from_arrow(table: pa.Table) -> list[Tree]:
+    """Inverse of ``trees_to_arrow`` (environment states are not carried)."""
+    trees: dict[int, Tree] = {}
+    for row in table.to_pylist():
+        tree_id = row.pop("tree_id")
+        group_id = row.pop("group_id")
+        prompt_ids = row.pop("prompt_ids")
+        if tree_id not in trees:
+            if prompt_ids is None:
+                raise ValueError(f"tree {tree_id}: its first row does not carry the prompt ids")
+            trees[tree_id] = Tree(tree_id=tree_id, group_id=group_id, prompt_ids=prompt_ids)
+        tree = trees[tree_id]
+        if row["node_id"] != len(tree.nodes):
+            raise ValueError(f"tree {tree_id}: node {row['node_id']} arrived out of order")
+        tree.nodes.append(AgentStep(**row))
+    return list(trees.values())
+
+
+def arrow_metadata(table: pa.Table) -> dict[str, Any]:
+    """The ``metadata`` dict given to ``trees_to_arrow``."""
+    raw = (table.schema.metadata or {}).get(b"treegrpo", b"{}")
+    return json.loads(raw)
