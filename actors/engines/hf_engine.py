@@ -1,0 +1,164 @@
+"""Embedded CPU engine on transformers: batched, token ids in, token ids + log-probs out.
+
+Requests of different prefix lengths are left-padded into one batch; decoding uses the model's KV
+cache. Each request samples from its own generator when its ``SamplingParams.seed`` is set, so a
+request's output does not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
+
+
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution of one row: softmax(logits / T) restricted to the top-p nucleus.
+
+    logits: (V,). Returns probabilities (V,) summing to 1.
+    """
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, descending=True)
+    outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+    sorted_probs[outside] = 0.0
+    nucleus = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return nucleus / nucleus.sum()
+
+
+class _Row:
+    """Decoding state of one request inside a batch."""
+
+    def __init__(self, request: GenerationRequest, generator: torch.Generator):
+        self.request = request
+        self.generator = generator
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+
+    def sample(self, logits: torch.Tensor) -> None:
+        """Draw the next token from ``logits`` (V,) and record it with its log-prob."""
+        params = self.request.params
+        if params.temperature <= 0:
+            token = int(torch.argmax(logits))
+            logprob = torch.log_softmax(logits, dim=-1)[token]
+        else:
+            probs = nucleus_probs(logits, params.temperature, params.top_p)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            logprob = torch.log_softmax(logits / params.temperature, dim=-1)[token]
+        self.token_ids.append(token)
+        self.logprobs.append(float(logprob))
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        for stop in self.request.stop_sequences:
+            if tuple(self.token_ids[-len(stop) :]) == stop:
+                self.finish_reason = "stop"
+                return
+        if len(self.token_ids) >= self.request.params.max_new_tokens:
+            self.finish_reason = "length"
+
+
+class HFEngine:
+    """Batched generation with a transformers causal LM on CPU (or one CUDA device).
+
+    model: a ``PreTrainedModel`` in eval mode; pad_token_id: id used for left padding;
+    seed: seeds the generator used by requests without their own seed.
+    """
+
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, seed: int = 0):
+        self.model = model.eval()
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.max_positions = int(model.config.max_position_embeddings)
+        self.version = 0
+
+    def load_weights(self, version: int, payload: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict as policy ``version``."""
+        self.model.load_state_dict(payload)
+        self.version = version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Continue every request's prefix; results come back in request order."""
+        results: list[GenerationResult | None] = [None] * len(requests)
+        runnable = []
+        for i, request in enumerate(requests):
+            if len(request.prefix_ids) >= self.max_positions:
+                results[i] = GenerationResult([], [], "context", prefill_tokens=0)
+            else:
+                runnable.append(i)
+        if runnable:
+            batch = [requests[i] for i in runnable]
+            for i, result in zip(runnable, self._generate_batch(batch)):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    def _row_generator(self, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        return torch.Generator().manual_seed(params.seed)
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        rows = [_Row(r, self._row_generator(r.params)) for r in requests]
+        lengths = torch.tensor([len(r.prefix_ids) for r in requests])
+        width = int(lengths.max())
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, request in enumerate(requests):
+            input_ids[i, width - len(request.prefix_ids) :] = torch.tensor(request.prefix_ids)
+            attention_mask[i, width - len(request.prefix_ids) :] = 1
+        positions = (lengths - 1).clone()
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        max_steps = max(r.params.max_new_tokens for r in requests)
+        for _ in range(max_steps):
+            for row, row_logits in zip(rows, logits):
+                if row.finish_reason is None:
+                    row.sample(row_logits)
+            positions += 1
+            for row, position in zip(rows, positions.tolist()):
+                if row.finish_reason is None and position >= self.max_positions - 1:
+                    row.finish_reason = "context"
+            if all(row.finish_reason is not None for row in rows):
+                break
+            next_ids = torch.tensor(
+                [row.token_ids[-1] if row.token_ids else self.pad_token_id for row in rows]
+            )
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones(len(rows), 1, dtype=torch.long)], 1
+            )
+            logits = self._forward(next_ids[:, None], attention_mask, positions[:, None], cache)
+        return [
+            GenerationResult(
+                token_ids=row.token_ids,
+                logprobs=row.logprobs,
+                finish_reason=row.finish_reason or "length",
+                prefill_tokens=len(row.request.prefix_ids),
+            )
+            for row in rows
+        ]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        """Logits of the last position: (B, V) as float32 on the CPU."""
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :].float().cpu()

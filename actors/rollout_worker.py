@@ -1,0 +1,203 @@
+"""RolloutWorker: engine + environment + planner; expands the trees of leased prompt groups.
+
+A plain class: a unit test drives it in-process, ``cluster/`` runs it as a Ray actor. ``expand``
+returns the trees as one Arrow table whose metadata carries the lease id, the per-group budgets and
+rollout timings.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from actors.engines.hf_engine import HFEngine
+from treegrpo_ray.budget import Budget
+from treegrpo_ray.config import SamplingConfig, TaskConfig, TreeConfig
+from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
+from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
+from treegrpo_ray.modeling import load_policy
+from treegrpo_ray.search import Expansion, TreePlanner
+from treegrpo_ray.tree import AgentStep, Tree, trees_to_arrow
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Prompt groups handed to one worker: ``groups`` pairs a run-unique group id with its sample;
+    ``seed`` fixes the tree search and sampling of this lease."""
+
+    lease_id: int
+    groups: tuple[tuple[int, Sample], ...]
+    seed: int
+
+
+def make_env(task: TaskConfig) -> AgentEnv:
+    """The environment named by the task config."""
+    return MultihopEnv(MultihopTask(task.multihop))
+
+
+class RolloutWorker:
+    """Expands agent-step trees for leased prompt groups with one engine."""
+
+    def __init__(
+        self,
+        model_path: str,
+        task: TaskConfig,
+        tree: TreeConfig,
+        sampling: SamplingConfig,
+        seed: int = 0,
+        torch_threads: int = 1,
+    ):
+        torch.set_num_threads(torch_threads)
+        model, self.tokenizer = load_policy(model_path)
+        self.engine = HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, seed=seed)
+        self.env = make_env(task)
+        self.shape = tree.shape()
+        self.sampling = sampling
+        self.stop_ids = tuple(
+            tuple(self.tokenizer.encode(s, add_special_tokens=False))
+            for s in self.env.stop_sequences
+        )
+
+    def policy_version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, version: int, payload: dict[str, torch.Tensor]) -> int:
+        self.engine.load_weights(version, payload)
+        return version
+
+    def expand(self, lease: Lease) -> pa.Table:
+        """Run the tree search for every group of the lease; returns the trees as Arrow."""
+        start = time.perf_counter()
+        rng = random.Random(lease.seed)
+        trees = self._new_trees(lease.groups, self.shape.m)
+        budgets = {group_id: Budget() for group_id, _ in lease.groups}
+        planner = TreePlanner(self.shape, rng)
+        self._complete(trees, planner.initial(trees), self.sampling.temperature, rng, budgets)
+        for _ in range(planner.rounds()):
+            self._complete(
+                trees, planner.next_round(trees), self.sampling.temperature, rng, budgets
+            )
+        planner.prune(trees)
+        metadata = {
+            "lease_id": lease.lease_id,
+            "policy_version": self.engine.version,
+            "budgets": {str(g): b.to_dict() for g, b in budgets.items()},
+            "rollout_seconds": time.perf_counter() - start,
+        }
+        return trees_to_arrow(trees, metadata)
+
+    def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:
+        """One chain per sample (greedy when ``temperature`` is 0); returns 1.0/0.0 success each."""
+        rng = random.Random(seed)
+        trees = self._new_trees(tuple(enumerate(samples)), copies=1)
+        self._complete(trees, TreePlanner(self.shape, rng).initial(trees), temperature, rng, {})
+        return [float(self.env.success(tree.nodes[-1].env_state)) for tree in trees]
+
+    def _new_trees(self, groups: tuple[tuple[int, Sample], ...], copies: int) -> list[Tree]:
+        trees = []
+        for group_id, sample in groups:
+            prompt, state = self.env.reset(sample)
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            for j in range(copies):
+                tree_id = group_id * copies + j
+                trees.append(Tree(tree_id, group_id, prompt_ids, root_state=state))
+        return trees
+
+    def _complete(
+        self,
+        trees: list[Tree],
+        expansions: list[Expansion],
+        temperature: float,
+        rng: random.Random,
+        budgets: dict[int, Budget],
+    ) -> None:
+        """Grow one branch per expansion until each ends in a leaf, in batched waves.
+
+        Each wave is one engine call over every open branch, then one ``step_batch`` over the
+        branches whose action ended with a stop sequence.
+        """
+        frontier = list(expansions)
+        while frontier:
+            results = self.engine.generate(
+                [self._request(trees, e, temperature, rng) for e in frontier]
+            )
+            stepped = [(e, r) for e, r in zip(frontier, results) if r.finish_reason == "stop"]
+            steps = self.env.step_batch(
+                [trees[e.tree_index].state_at(e.node_id) for e, _ in stepped],
+                [self.tokenizer.decode(r.token_ids) for _, r in stepped],
+            )
+            step_of = {id(e): s for (e, _), s in zip(stepped, steps)}
+            next_frontier = []
+            for expansion, result in zip(frontier, results):
+                tree = trees[expansion.tree_index]
+                node = self._add_node(tree, expansion.node_id, result, step_of.get(id(expansion)))
+                budget = budgets.get(tree.group_id, Budget())
+                budget.generated_tokens += len(result.token_ids)
+                budget.prefill_tokens += result.prefill_tokens
+                budget.cached_tokens += result.cached_tokens
+                budget.tool_calls += int(node.tool_call)
+                budget.leaves += int(node.finished)
+                if not node.finished:
+                    next_frontier.append(Expansion(expansion.tree_index, node.node_id))
+            frontier = next_frontier
+
+    def _request(
+        self, trees: list[Tree], expansion: Expansion, temperature: float, rng: random.Random
+    ) -> GenerationRequest:
+        tree = trees[expansion.tree_index]
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=self.sampling.top_p,
+            max_new_tokens=self.sampling.max_action_tokens,
+            seed=rng.getrandbits(63),
+        )
+        return GenerationRequest(
+            prefix_ids=tuple(tree.prefix_ids(expansion.node_id)),
+            params=params,
+            stop_sequences=self.stop_ids,
+            cache_hint=(tree.tree_id, expansion.node_id),
+        )
+
+    def _add_node(
+        self, tree: Tree, parent_id: int, result: GenerationResult, step: StepResult | None
+    ) -> AgentStep:
+        """Attach the generated action (and the env's answer to it) as a child of ``parent_id``.
+
+        An action that ended without a stop sequence (token or context limit) is a finished leaf
+        whose reward is that of the episode with no answer.
+        """
+        common = dict(
+            action_ids=result.token_ids,
+            action_logprobs=result.logprobs,
+            policy_version=self.engine.version,
+        )
+        if step is None:
+            state = tree.state_at(parent_id)
+            return tree.add(
+                parent_id,
+                obs_ids=[],
+                finished=True,
+                finish_reason=result.finish_reason,
+                role="truncated",
+                tool_call=False,
+                reward=self.env.reward(state),
+                env_state=state,
+                **common,
+            )
+        obs_ids = self.tokenizer.encode(step.observation, add_special_tokens=False)
+        return tree.add(
+            parent_id,
+            obs_ids=obs_ids,
+            finished=step.done,
+            finish_reason="done" if step.done else "stop",
+            role=step.role,
+            tool_call=step.tool_call,
+            reward=self.env.reward(step.state) if step.done else float("nan"),
+            env_state=step.state,
+            **common,
+        )

@@ -1,0 +1,65 @@
+"""The ``treegrpo`` command.
+
+Errors in user input (configs, paths) print one line and exit with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treegrpo_ray.errors import UserInputError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treegrpo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("train", "run a Tree-GRPO training job (a local Ray instance unless cluster.address)"),
+        ("warmstart", "build and warm-start the tiny model of a preset (cached)"),
+    ):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("config", help="a preset name (see `treegrpo presets`) or a YAML path")
+        cmd.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. --set tree.n=0 (repeatable)",
+        )
+        cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    sub.add_parser("presets", help="list the presets shipped with the package")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from treegrpo_ray.config import load_config, preset_names
+
+    if args.command == "presets":
+        print("\n".join(preset_names()))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "warmstart":
+        from cluster.train import resolve_model_path
+
+        print(resolve_model_path(cfg, progress=not args.quiet))
+        return 0
+    from cluster.train import train
+
+    summary = train(cfg, progress=not args.quiet)
+    print(summary["line"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UserInputError as err:
+        print(f"treegrpo: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The job's controller: starts rollout workers and the queue, leases prompt groups, publishes
+policy versions, runs held-out evaluations and writes the metrics.
+
+It runs as one named Ray actor with several threads: ``run`` (the production loop) occupies one,
+while the learner's ``publish`` calls and the driver's ``wait_records`` polls use the others.
+The controller calls ``worker.expand.remote(lease)`` itself, so it owns every queued tree batch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+from torch.utils.tensorboard import SummaryWriter
+
+from actors.rollout_worker import Lease, RolloutWorker
+from actors.tree_queue import TreeQueue
+from treegrpo_ray.config import RunConfig
+from treegrpo_ray.envs.multihop import MultihopTask
+
+
+class MetricsLog:
+    """``metrics.jsonl`` plus a TensorBoard log in the run directory."""
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, record: dict[str, float]) -> None:
+        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
+        self.jsonl.flush()
+        for key, value in record.items():
+            self.tensorboard.add_scalar(key, value, step)
+        self.tensorboard.flush()
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tensorboard.close()
+
+
+class Controller:
+    """Orchestrates one training job (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, model_path: str):
+        self.cfg = cfg
+        task = MultihopTask(cfg.task.multihop)
+        self.train_samples = task.train_samples()
+        self.heldout = task.heldout_samples()
+        self.queue = TreeQueue(cfg.cluster.queue_size)
+        remote_worker = ray.remote(RolloutWorker).options(num_cpus=cfg.cluster.rollout_cpus)
+        self.workers = [
+            remote_worker.remote(
+                model_path,
+                cfg.task,
+                cfg.tree,
+                cfg.sampling,
+                seed=cfg.train.seed + i,
+                torch_threads=cfg.cluster.torch_threads,
+            )
+            for i in range(cfg.cluster.rollout_workers)
+        ]
+        self.version = 0
+        self.changed = threading.Condition()
+        self.records: list[dict[str, Any]] = []
+        self.log = MetricsLog(cfg.run_dir)
+        self.stopped = False
+        self.evals: dict[str, float] = {}
+
+    def get_queue(self) -> TreeQueue:
+        return self.queue
+
+    def worker_versions(self) -> list[int]:
+        return ray.get([w.policy_version.remote() for w in self.workers])
+
+    # --- production -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Lease every step's prompt groups to the workers, at most ``max_policy_lag`` versions
+        ahead of the learner, and enqueue the resulting tree batches."""
+        train = self.cfg.train
+        order = list(range(len(self.train_samples)))
+        random.Random(train.seed).shuffle(order)
+        try:
+            for step in range(train.steps):
+                with self.changed:
+                    self.changed.wait_for(
+                        lambda s=step: self.stopped or self.version >= s - train.max_policy_lag
+                    )
+                if self.stopped:
+                    return
+                for ref in self._lease_step(step, order):
+                    self.queue.put(ref)
+        except Exception:
+            self.queue.put_error(traceback.format_exc(limit=5))
+            raise
+
+    def _lease_step(self, step: int, order: list[int]) -> list[ray.ObjectRef]:
+        per_step = self.cfg.train.prompts_per_step
+        share = per_step // len(self.workers)
+        refs = []
+        for w, worker in enumerate(self.workers):
+            first = step * per_step + w * share
+            groups = tuple(
+                (g, self.train_samples[order[g % len(order)]]) for g in range(first, first + share)
+            )
+            lease_id = step * len(self.workers) + w
+            lease = Lease(
+                lease_id=lease_id, groups=groups, seed=self.cfg.train.seed * 7919 + lease_id
+            )
+            refs.append(worker.expand.remote(lease))
+        return refs
+
+    # --- policy versions and evaluation ----------------------------------------------------
+
+    def publish(
+        self, version: int, weights: list[ray.ObjectRef], metrics: dict[str, float]
+    ) -> None:
+        """Load policy ``version`` into every worker, evaluate when due, record the step."""
+        start = time.perf_counter()
+        ray.get([w.load_weights.remote(version, weights[0]) for w in self.workers])
+        metrics["timing/weight_sync"] = time.perf_counter() - start
+        train = self.cfg.train
+        if version == train.steps:
+            metrics.update(self.final_evaluation("after"))
+        elif train.eval_every and version % train.eval_every == 0:
+            metrics["eval/greedy_em"] = self.evaluate(train.eval_questions, temperature=0.0)
+        with self.changed:
+            self.version = version
+            self.records.append({"step": version, **metrics})
+            self.log.write(version, metrics)
+            self.changed.notify_all()
+
+    def evaluate(self, questions: int, temperature: float) -> float:
+        """Held-out success rate (one chain per question), sharded over the workers."""
+        samples = self.heldout[:questions]
+        shards = [samples[i :: len(self.workers)] for i in range(len(self.workers))]
+        seed = self.cfg.train.seed + 104729
+        results = ray.get(
+            [w.evaluate.remote(s, temperature, seed) for w, s in zip(self.workers, shards)]
+        )
+        return statistics.fmean(x for shard in results for x in shard)
+
+    def final_evaluation(self, when: str) -> dict[str, float]:
+        """Sampled (at the training temperature) and greedy held-out EM, remembered by ``when``."""
+        n = self.cfg.train.final_eval_questions
+        result = {
+            "eval/sampled_em": self.evaluate(n, self.cfg.sampling.temperature),
+            "eval/greedy_em": self.evaluate(n, temperature=0.0),
+        }
+        self.evals.update({f"{when}/{k}": v for k, v in result.items()})
+        return result
+
+    # --- for the driver ---------------------------------------------------------------------
+
+    def wait_records(self, after: int, timeout: float) -> list[dict[str, Any]]:
+        """Step records newer than step ``after``; waits up to ``timeout`` seconds for one."""
+        with self.changed:
+            self.changed.wait_for(lambda: len(self.records) > after or self.stopped, timeout)
+            return self.records[after:]
+
+    def summary(self) -> dict[str, Any]:
+        totals: dict[str, float] = {}
+        for record in self.records:
+            for key in ("budget/generated_tokens", "budget/tool_calls"):
+                totals[key] = totals.get(key, 0.0) + record.get(key, 0.0)
+        return {
+            **self.evals,
+            **totals,
+            "steps": len(self.records),
+            "rollout/worker_versions": self.worker_versions(),
+        }
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
+        self.log.close()

@@ -1,0 +1,138 @@
+"""``treegrpo train``: one Tree-GRPO job on a Ray cluster (a local one by default).
+
+The driver resolves the policy (warm-starting the tiny model when no path is given), starts the
+controller (rollout workers + queue) and a Ray Train ``TorchTrainer`` learner, shows progress from
+the controller's step records, and prints a closing summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import RunConfig as RayRunConfig
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
+from tqdm import tqdm
+
+from cluster.controller import Controller
+from learners.learner import train_loop_per_worker
+from learners.warmstart import warm_start
+from treegrpo_ray.config import RunConfig
+from treegrpo_ray.modeling import check_policy_dir
+
+
+def resolve_model_path(cfg: RunConfig, progress: bool = True) -> str:
+    """The policy directory: ``model.path`` (checked) or the cached warm-started tiny model."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser()
+        check_policy_dir(path)
+        return str(path.resolve())
+    return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
+
+
+def _connect(cfg: RunConfig) -> bool:
+    """Connect to ``cluster.address`` or start a local Ray; True when this call started it."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, logging_level="WARNING")
+        return True
+    cpus = cfg.cluster.rollout_workers * cfg.cluster.rollout_cpus + cfg.cluster.learner_cpus
+    ray.init(num_cpus=int(cpus + 0.999), logging_level="WARNING", log_to_driver=False)
+    return True
+
+
+def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:
+    try:
+        outcome["result"] = trainer.fit()
+    except Exception as err:  # re-raised in the driver's thread
+        outcome["error"] = err
+
+
+def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, show: bool) -> None:
+    bar = tqdm(total=steps, desc="treegrpo", unit="step", disable=not show, dynamic_ncols=True)
+    seen, em = 0, None
+    while fit_thread.is_alive() or seen < steps:
+        records = ray.get(controller.wait_records.remote(seen, timeout=1.0))
+        for record in records:
+            em = record.get("eval/greedy_em", em)
+            postfix = {
+                "reward": f"{record['tree/reward_mean']:.3f}",
+                "tok/s": f"{record['rollout/tokens_per_s']:.0f}",
+            }
+            if em is not None:
+                postfix["greedy_em"] = f"{em:.3f}"
+            bar.set_postfix(postfix)
+            bar.update(1)
+        seen += len(records)
+        if not fit_thread.is_alive() and not records:
+            break
+    bar.close()
+
+
+def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str:
+    """One line: held-out EM before -> after (sampled at the training temperature, greedy), wall
+    time, tokens generated, tool calls."""
+
+    def em(key: str) -> str:
+        return f"{100 * summary[f'before/{key}']:.1f} -> {100 * summary[f'after/{key}']:.1f}"
+
+    minutes, secs = divmod(int(seconds), 60)
+    return (
+        f"treegrpo: {cfg.name} done in {minutes}m{secs:02d}s | held-out EM "
+        f"sampled@T={cfg.sampling.temperature:g} {em('eval/sampled_em')}, "
+        f"greedy {em('eval/greedy_em')} | "
+        f"{int(summary.get('budget/generated_tokens', 0)):,} tokens generated, "
+        f"{int(summary.get('budget/tool_calls', 0)):,} tool calls | {cfg.run_dir}"
+    )
+
+
+def train(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
+    """Run one training job to the end; returns the summary (also written to summary.json)."""
+    start = time.perf_counter()
+    model_path = resolve_model_path(cfg, progress)
+    started_ray = _connect(cfg)
+    controller = (
+        ray.remote(Controller)
+        .options(name=f"treegrpo-controller-{cfg.name}", max_concurrency=8, num_cpus=0)
+        .remote(cfg, model_path)
+    )
+    try:
+        ray.get(controller.final_evaluation.remote("before"))
+        production = controller.run.remote()
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
+            scaling_config=ScalingConfig(
+                num_workers=1, resources_per_worker={"CPU": cfg.cluster.learner_cpus}
+            ),
+            run_config=RayRunConfig(
+                name=cfg.name, storage_path=str((cfg.run_dir / "ray_train").resolve())
+            ),
+        )
+        outcome: dict[str, Any] = {}
+        fit_thread = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)
+        fit_thread.start()
+        _show_progress(controller, cfg.train.steps, fit_thread, progress)
+        fit_thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        ray.get(production)
+        summary = ray.get(controller.summary.remote())
+    finally:
+        ray.get(controller.stop.remote())
+        ray.kill(controller)
+        if started_ray:
+            ray.shutdown()
+    seconds = time.perf_counter() - start
+    summary["wall_seconds"] = seconds
+    summary["line"] = summary_line(cfg, summary, seconds)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,66 @@
+"""Bad input at the command line: one line naming the problem and the fix, exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli import main
+
+
+@pytest.fixture
+def treegrpo(capsys):
+    """Run the CLI in-process; returns (exit code, stderr)."""
+
+    def run(*args):
+        code = main(list(args))
+        return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
+    return run
+
+
+def _assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_unknown_preset_in_a_real_process():
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "train", "no-such-preset"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _assert_one_line_error(result, "unknown preset 'no-such-preset'", "tiny-multihop")
+
+
+def test_malformed_yaml(treegrpo, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tree: {m: 2\n")
+    _assert_one_line_error(treegrpo("train", str(path)), "malformed YAML", str(path))
+
+
+def test_unknown_field(treegrpo):
+    result = treegrpo("train", "tiny-multihop", "--set", "tree.mm=4")
+    _assert_one_line_error(result, "unknown field 'tree.mm'")
+
+
+def test_invalid_value_names_field_and_value(treegrpo):
+    result = treegrpo("train", "tiny-multihop", "--set", "tree.m=-1")
+    _assert_one_line_error(result, "tree.m", "greater than 0", "-1")
+
+
+def test_missing_model_directory(treegrpo, tmp_path):
+    missing = tmp_path / "nowhere"
+    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={missing}")
+    _assert_one_line_error(result, str(missing), "does not exist")
+
+
+@pytest.mark.parametrize("bad", ["train.steps=0", "sampling.top_p=1.5", "ppo.advantage=grpo"])
+def test_other_invalid_values(treegrpo, bad):
+    result = treegrpo("train", "tiny-multihop", "--set", bad)
+    _assert_one_line_error(result, bad.split("=")[0])

@@ -1,0 +1,67 @@
+"""The rollout worker in-process with the tiny model and the multihop environment."""
+
+from collections import Counter
+
+import pytest
+
+from actors.rollout_worker import Lease, RolloutWorker
+from treegrpo_ray.config import SamplingConfig, TreeConfig
+from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.tree import arrow_metadata, trees_from_arrow
+
+
+def _expand(cfg, policy, tree: TreeConfig, sampling=None, prompts=8, seed=3):
+    worker = RolloutWorker(policy, cfg.task, tree, sampling or cfg.sampling, seed=0)
+    samples = MultihopTask(cfg.task.multihop).train_samples()[:prompts]
+    table = worker.expand(Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=seed))
+    return trees_from_arrow(table), arrow_metadata(table)
+
+
+@pytest.mark.parametrize("m,n,l", [(2, 2, 1), (1, 3, 2), (3, 1, 1)])
+def test_every_tree_ends_with_one_plus_l_times_n_leaves(tiny_cfg, tiny_policy, m, n, l):  # noqa: E741
+    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=m, n=n, l=l))
+    assert Counter(t.group_id for t in trees) == {g: m for g in range(8)}
+    assert [len(t.leaves()) for t in trees] == [1 + l * n] * len(trees)
+    for tree in trees:  # every leaf is the end of a branch: no node below a finished one
+        parents = {node.parent_id for node in tree.nodes}
+        assert not any(tree.node(p).finished for p in parents if p >= 0)
+
+
+def test_n_zero_gives_independent_chains(tiny_cfg, tiny_policy):
+    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=4, n=0, l=3))
+    for tree in trees:
+        children = Counter(node.parent_id for node in tree.nodes)
+        assert max(children.values()) == 1
+        assert len(tree.leaves()) == 1
+
+
+def test_budget_counters_equal_what_was_produced(tiny_cfg, tiny_policy):
+    trees, meta = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1))
+    for group_id, budget in meta["budgets"].items():
+        nodes = [n for t in trees if t.group_id == int(group_id) for n in t.nodes]
+        assert budget["generated_tokens"] == sum(len(n.action_ids) for n in nodes)
+        assert budget["tool_calls"] == sum(n.tool_call for n in nodes)
+        assert budget["leaves"] == sum(n.finished for n in nodes)
+        assert budget["prefill_tokens"] > 0
+    assert sum(b["tool_calls"] for b in meta["budgets"].values()) > 0
+
+
+def test_over_long_actions_become_leaves_with_no_answer(tiny_cfg, tiny_policy):
+    sampling = SamplingConfig(max_action_tokens=1)  # no action fits in one token
+    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=1, n=2, l=1), sampling)
+    leaves = [leaf for t in trees for leaf in t.leaves()]
+    assert {leaf.finish_reason for leaf in leaves} == {"length"}
+    assert {leaf.reward for leaf in leaves} == {0.0}
+    assert all(len(leaf.action_ids) == 1 and leaf.obs_ids == [] for leaf in leaves)
+
+
+def test_same_lease_seed_gives_the_same_trees(tiny_cfg, tiny_policy):
+    first, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=11)
+    again, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=11)
+    other, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=12)
+
+    def tokens(trees):
+        return [n.action_ids for t in trees for n in t.nodes]
+
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)

@@ -1,0 +1,201 @@
+"""Typed run configuration, loaded from YAML presets or files, with ``a.b=value`` overrides.
+
+Every field is documented once, here, where it is defined. Validation errors become one-line
+``UserInputError`` messages that name the field, the value seen and the fix.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from treegrpo_ray.envs.multihop import MultihopConfig
+from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.loss import PPOCoefficients
+from treegrpo_ray.modeling import TinyModelConfig
+from treegrpo_ray.search import TreeShape
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskConfig(_Section):
+    name: Literal["multihop"] = Field("multihop", description="Which environment to train on.")
+    multihop: MultihopConfig = Field(default_factory=MultihopConfig)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None,
+        description="A Hugging Face model directory (config.json, weights, tokenizer). "
+        "null builds the tiny model from `tiny` and warm-starts it on the task (cached).",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+
+
+class WarmStartConfig(_Section):
+    steps: int = Field(1200, gt=0, description="Supervised updates on noisy demonstrations.")
+    batch_size: int = Field(64, gt=0, description="Demonstrations per update.")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    noise: float = Field(0.4, ge=0, le=1, description="Fraction of demonstrations with a mistake.")
+    seed: int = Field(0, description="Seeds model init, demonstration sampling and batching.")
+    cache_dir: str = Field(
+        "~/.cache/treegrpo/warmstart", description="Where warm-started models are cached."
+    )
+
+
+class TreeConfig(_Section):
+    m: int = Field(2, gt=0, description="Trees per prompt (each seeded by one full chain).")
+    n: int = Field(2, ge=0, description="Nodes expanded per tree per round; 0 = chain GRPO.")
+    l: int = Field(1, ge=0, description="Expansion rounds.")  # noqa: E741 - the paper's name
+    k: int | None = Field(None, gt=0, description="Leaves kept per tree; null keeps all.")
+
+    def shape(self) -> TreeShape:
+        return TreeShape(m=self.m, n=self.n, l=self.l, k=self.k)
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_action_tokens: int = Field(
+        8, gt=0, description="Token limit of one action; a longer one ends its branch (format 0)."
+    )
+
+
+class PPOConfig(_Section):
+    advantage: Literal["tree", "chain"] = Field(
+        "tree", description="tree: intra-tree + inter-tree (paper); chain: prompt-level GRPO."
+    )
+    lr: float = Field(1.5e-4, gt=0, description="Adam learning rate of the policy.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO ratio clip ε.")
+    dual_clip: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
+    kl_coef: float = Field(0.001, ge=0, description="Weight of the k3 KL to the reference policy.")
+    entropy_coef: float = Field(0.001, ge=0, description="Weight of the entropy bonus.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    epochs: int = Field(1, gt=0, description="Passes over each batch of trees.")
+    minibatches: int = Field(1, gt=0, description="Optimizer steps per pass.")
+    use_engine_logprobs: bool = Field(
+        False,
+        description="Use the rollout engine's log-probs as old log-probs instead of recomputing.",
+    )
+
+    def coefficients(self) -> PPOCoefficients:
+        return PPOCoefficients(self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef)
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, gt=0, description="Policy updates.")
+    prompts_per_step: int = Field(16, gt=0, description="Prompt groups per update.")
+    max_policy_lag: int = Field(
+        0, ge=0, description="Oldest accepted tree policy version = current - lag; 0 = on-policy."
+    )
+    seed: int = Field(0, description="Seeds prompt order, tree search and sampling.")
+    eval_every: int = Field(10, ge=0, description="Greedy held-out evaluation period; 0 = off.")
+    eval_questions: int = Field(256, gt=0, description="Held-out questions in periodic evals.")
+    final_eval_questions: int = Field(
+        1024, gt=0, description="Held-out questions in the evaluations before and after training."
+    )
+    output_dir: str = Field("runs", description="Runs are written to OUTPUT_DIR/NAME.")
+
+
+class ClusterConfig(_Section):
+    address: str | None = Field(None, description="Ray address; null starts a local instance.")
+    rollout_workers: int = Field(1, gt=0, description="Rollout worker actors.")
+    rollout_cpus: float = Field(1, gt=0, description="CPUs reserved per rollout worker.")
+    learner_cpus: float = Field(1, gt=0, description="CPUs reserved for the learner worker.")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per process.")
+    queue_size: int = Field(4, gt=0, description="Tree batches the queue holds before blocking.")
+
+
+class RunConfig(_Section):
+    name: str = Field("tiny-multihop", description="Run name: outputs go to OUTPUT_DIR/NAME.")
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> RunConfig:
+        if self.train.prompts_per_step % self.cluster.rollout_workers:
+            raise ValueError(
+                f"train.prompts_per_step ({self.train.prompts_per_step}) must be a multiple of "
+                f"cluster.rollout_workers ({self.cluster.rollout_workers}) so every worker gets "
+                "the same share; change one of them"
+            )
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir) / self.name
+
+
+def preset_names() -> list[str]:
+    files = resources.files("treegrpo_ray").joinpath("presets").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def _read_yaml(name_or_path: str) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise UserInputError(f"config file {path} does not exist; pass a preset name or a path")
+        text = path.read_text()
+    elif name_or_path in preset_names():
+        text = resources.files("treegrpo_ray").joinpath(f"presets/{name_or_path}.yaml").read_text()
+    else:
+        raise UserInputError(
+            f"unknown preset '{name_or_path}'; available presets: {', '.join(preset_names())} "
+            "(or pass a path to a .yaml file)"
+        )
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise UserInputError(f"malformed YAML in {name_or_path}: {err}".replace("\n", " ")) from err
+    if not isinstance(data, dict):
+        raise UserInputError(f"{name_or_path}: the top level must be a mapping of sections")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Set ``a.b.c=value`` in nested ``data``; the value is parsed as YAML (``4``, ``null``...)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise UserInputError(f"override '{override}' is not KEY=VALUE, e.g. --set tree.m=4")
+    *parents, leaf = key.strip().split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserInputError(f"override '{override}': '{part}' is not a section")
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise UserInputError(f"override '{override}': value is not valid YAML") from err
+
+
+def _describe(error: dict[str, Any]) -> str:
+    field = ".".join(str(p) for p in error["loc"]) or "config"
+    if error["type"] == "extra_forbidden":
+        return f"unknown field '{field}'; check the spelling against the preset"
+    return f"{field}: {error['msg']} (got {error.get('input')!r})"
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset name or YAML path, apply ``a.b=value`` overrides and validate."""
+    data = _read_yaml(name_or_path)
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(_describe(e) for e in err.errors())
+        raise UserInputError(f"invalid config {name_or_path}: {problems}") from err

@@ -1,0 +1,50 @@
+"""Metric helpers: timed stages and tree statistics, with namespaced keys (STYLE: names)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from treegrpo_ray.budget import Budget
+from treegrpo_ray.tree import Tree
+
+
+@contextmanager
+def timed(metrics: dict[str, float], stage: str) -> Iterator[None]:
+    """Add the wall time of the block to ``metrics['timing/<stage>']`` (seconds)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing/{stage}"
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
+
+
+def tree_metrics(trees: list[Tree]) -> dict[str, float]:
+    """``tree/...`` statistics over the leaves of a batch of trees."""
+    rewards_by_group: dict[int, list[float]] = defaultdict(list)
+    depths = []
+    for tree in trees:
+        for leaf in tree.leaves():
+            rewards_by_group[tree.group_id].append(leaf.reward)
+            depths.append(leaf.depth + 1)
+    rewards = [r for group in rewards_by_group.values() for r in group]
+    varied = [len(set(group)) > 1 for group in rewards_by_group.values()]
+    return {
+        "tree/reward_mean": statistics.fmean(rewards),
+        "tree/leaves": float(len(rewards)),
+        "tree/nodes": float(sum(len(t.nodes) for t in trees)),
+        "tree/groups": float(len(rewards_by_group)),
+        "tree/groups_with_variance": statistics.fmean(varied),
+        "tree/turns_mean": statistics.fmean(depths),
+    }
+
+
+def budget_metrics(budget: Budget, groups: int) -> dict[str, float]:
+    """``budget/...`` totals and per-prompt averages of a batch."""
+    out = {f"budget/{k}": float(v) for k, v in budget.to_dict().items()}
+    out.update({f"budget/{k}_per_prompt": v / max(groups, 1) for k, v in budget.to_dict().items()})
+    return out
