@@ -126,14 +126,16 @@ class RolloutWorker:
             results = self.engine.generate(
                 [self._request(trees, e, temperature, rng) for e in frontier]
             )
-            stepped = [(e, r) for e, r in zip(frontier, results) if r.finish_reason == "stop"]
+            stepped = [
+                (e, r) for e, r in zip(frontier, results, strict=True) if r.finish_reason == "stop"
+            ]
             steps = self.env.step_batch(
                 [trees[e.tree_index].state_at(e.node_id) for e, _ in stepped],
                 [self.tokenizer.decode(r.token_ids) for _, r in stepped],
             )
-            step_of = {id(e): s for (e, _), s in zip(stepped, steps)}
+            step_of = {id(e): s for (e, _), s in zip(stepped, steps, strict=True)}
             next_frontier = []
-            for expansion, result in zip(frontier, results):
+            for expansion, result in zip(frontier, results, strict=True):
                 tree = trees[expansion.tree_index]
                 node = self._add_node(tree, expansion.node_id, result, step_of.get(id(expansion)))
                 budget = budgets.get(tree.group_id, Budget())

@@ -144,7 +144,10 @@ class Controller:
         shards = [samples[i :: len(self.workers)] for i in range(len(self.workers))]
         seed = self.cfg.train.seed + 104729
         results = ray.get(
-            [w.evaluate.remote(s, temperature, seed) for w, s in zip(self.workers, shards)]
+            [
+                w.evaluate.remote(s, temperature, seed)
+                for w, s in zip(self.workers, shards, strict=True)
+            ]
         )
         return statistics.fmean(x for shard in results for x in shard)
 

@@ -69,7 +69,7 @@ def expand_paths(trees: list[Tree], pad_token_id: int) -> PathBatch:
         attention_mask[i, : len(ids)] = 1
         loss_mask[i, : len(ids)] = torch.tensor(is_action)
         behaviour[i, : len(ids)] = torch.tensor(logprobs)
-    rewards, tree_ids, group_ids, versions = zip(*leaf_info)
+    rewards, tree_ids, group_ids, versions = zip(*leaf_info, strict=True)
     return PathBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -95,7 +95,7 @@ class HFEngine:
                 runnable.append(i)
         if runnable:
             batch = [requests[i] for i in runnable]
-            for i, result in zip(runnable, self._generate_batch(batch)):
+            for i, result in zip(runnable, self._generate_batch(batch), strict=True):
                 results[i] = result
         return [r for r in results if r is not None]
 
@@ -120,11 +120,11 @@ class HFEngine:
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
         max_steps = max(r.params.max_new_tokens for r in requests)
         for _ in range(max_steps):
-            for row, row_logits in zip(rows, logits):
+            for row, row_logits in zip(rows, logits, strict=True):
                 if row.finish_reason is None:
                     row.sample(row_logits)
             positions += 1
-            for row, position in zip(rows, positions.tolist()):
+            for row, position in zip(rows, positions.tolist(), strict=True):
                 if row.finish_reason is None and position >= self.max_positions - 1:
                     row.finish_reason = "context"
             if all(row.finish_reason is not None for row in rows):
