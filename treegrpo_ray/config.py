@@ -39,13 +39,17 @@ class ModelConfig(_Section):
 
 
 class WarmStartConfig(_Section):
-    steps: int = Field(1200, gt=0, description="Supervised updates on noisy demonstrations.")
-    batch_size: int = Field(64, gt=0, description="Demonstrations per update.")
-    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
-    noise: float = Field(0.4, ge=0, le=1, description="Fraction of demonstrations with a mistake.")
-    seed: int = Field(0, description="Seeds model init, demonstration sampling and batching.")
+    """Supervised warm start: optimisation, demonstration noise and where results are cached."""
+
+    steps: int = Field(600, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per step.")
+    lr: float = Field(1e-3, gt=0, description="Peak AdamW learning rate (warmup, cosine decay).")
+    noise: float = Field(
+        0.4, ge=0, le=1, description="Probability that a demonstration contains a mistake."
+    )
+    seed: int = Field(0, description="Seed of the model initialisation and demonstration sampling.")
     cache_dir: str = Field(
-        "~/.cache/treegrpo/warmstart", description="Where warm-started models are cached."
+        "~/.cache/treegrpo/warmstart", description="Directory holding one folder per warm start."
     )
 
 

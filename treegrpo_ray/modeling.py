@@ -1,0 +1,159 @@
+"""Tiny policies for the CPU presets: a word-level tokenizer and a small Qwen2 model.
+
+The tokenizer maps each white-space separated word to one id, so token boundaries equal word
+boundaries and ``decode`` joins words with single spaces. The model is a standard
+``Qwen2ForCausalLM`` built from a config, so every engine and learner that handles a real Qwen2.5
+checkpoint handles it too.
+
+Load a policy directory's tokenizer with :func:`load_tokenizer` (or :func:`load_policy`), not
+``AutoTokenizer``: transformers 5 forces ``Qwen2Tokenizer`` on any directory whose config.json says
+``qwen2``, and that class rebuilds a byte-level BPE pipeline that drops our word-level one (decode
+then glues words together). ``AutoTokenizer`` is fine on a directory holding only the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import transformers
+from pydantic import BaseModel, Field, model_validator
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from treegrpo_ray.errors import UserInputError
+
+PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
+SPECIAL_TOKENS = (PAD, UNK, EOS)  # ids 0, 1, 2
+
+
+def build_word_tokenizer(
+    words: Iterable[str], path: str | Path
+) -> transformers.PreTrainedTokenizerFast:
+    """A WordLevel tokenizer over ``words`` (after ``<pad>``=0, ``<unk>``=1, ``<eos>``=2).
+
+    Splits on white space only; unknown words map to ``<unk>``; no special tokens are added when
+    encoding. Saved with ``save_pretrained(path)`` so ``AutoTokenizer.from_pretrained(path)`` loads
+    it.
+    """
+    vocab = {w: i for i, w in enumerate(dict.fromkeys([*SPECIAL_TOKENS, *words]))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        unk_token=UNK,
+        eos_token=EOS,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+class TinyModelConfig(BaseModel, extra="forbid"):
+    """Shape of the tiny Qwen2 policy (about 0.5M parameters at the defaults)."""
+
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, description="Transformer decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Query heads per attention layer.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(512, ge=1, description="Width of the SwiGLU MLP.")
+    max_positions: int = Field(512, ge=16, description="Longest token sequence the model accepts.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size}, model.num_heads={self.num_heads}, "
+                f"model.num_kv_heads={self.num_kv_heads}: num_heads must divide hidden_size and "
+                "num_kv_heads must divide num_heads; e.g. 128 / 4 / 2"
+            )
+        return self
+
+
+def build_tiny_model(
+    cfg: TinyModelConfig, vocab_size: int, seed: int
+) -> transformers.Qwen2ForCausalLM:
+    """A freshly initialised fp32 ``Qwen2ForCausalLM`` with tied embeddings, seeded by ``seed``."""
+    config = transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        use_cache=True,
+        dtype="float32",
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerFast:
+    """The tokenizer saved in ``path``, exactly as its tokenizer.json describes it.
+
+    Unlike ``AutoTokenizer``, never swaps in the model type's own tokenizer class (see the module
+    docstring); real checkpoints that ship a tokenizer.json (Qwen2.5, Llama 3) load the same way.
+    """
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def load_policy(
+    path: str | Path,
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, checking they match.
+
+    Raises UserInputError when the directory or its config.json is missing, or when the tokenizer
+    has more tokens than the model has embedding rows.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserInputError(
+            f"policy directory {path} does not exist; point the model path at a directory written "
+            "by save_pretrained (e.g. the warm-start cache)"
+        )
+    if not (path / "config.json").is_file():
+        raise UserInputError(
+            f"policy directory {path} has no config.json; it must hold a model saved with "
+            "save_pretrained (config.json + weights + tokenizer files)"
+        )
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    tokenizer = load_tokenizer(path)
+    embeddings = model.get_input_embeddings()
+    rows = embeddings.weight.shape[0] if isinstance(embeddings, torch.nn.Embedding) else 0
+    if len(tokenizer) > rows:
+        raise UserInputError(
+            f"tokenizer does not match the model in {path}: {len(tokenizer)} tokens but only "
+            f"{rows} embedding rows; save the tokenizer the model was trained with next to it"
+        )
+    return model, tokenizer
+
+
+def check_policy_dir(path: str | Path) -> None:
+    """Cheap checks of a policy directory without loading weights (see ``load_policy``)."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise UserInputError(
+            f"model.path: policy directory {path} does not exist; point model.path at a directory "
+            "written by save_pretrained, or set model.path=null to warm-start the tiny model"
+        )
+    if not (path / "config.json").is_file():
+        raise UserInputError(
+            f"model.path: {path} has no config.json; it must hold a model saved with "
+            "save_pretrained (config.json + weights + tokenizer files)"
+        )
+    rows = transformers.AutoConfig.from_pretrained(str(path)).vocab_size
+    tokens = len(load_tokenizer(path))
+    if tokens > rows:
+        raise UserInputError(
+            f"model.path: tokenizer does not match the model in {path}: {tokens} tokens but only "
+            f"{rows} embedding rows; save the tokenizer the model was trained with next to it"
+        )
