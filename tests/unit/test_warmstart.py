@@ -12,13 +12,13 @@ from safetensors.torch import load_file
 
 from learners.warmstart import (
     LOG_NAME,
-    WarmStartConfig,
     accumulate_gradients,
     cache_key,
     collate,
     demonstration_tokens,
     warm_start,
 )
+from treegrpo_ray.config import WarmStartConfig
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, load_policy
 
