@@ -85,14 +85,8 @@ class Learner:
             ref_logprobs, _ = token_logprobs(
                 self.ref_model, batch.input_ids, batch.attention_mask, self.temperature
             )
-        with timed(metrics, "old_logprobs"), torch.no_grad():
-            old_logprobs = (
-                batch.behaviour_logprobs
-                if self.ppo.use_engine_logprobs
-                else token_logprobs(
-                    self.model, batch.input_ids, batch.attention_mask, self.temperature
-                )[0]
-            )
+        with timed(metrics, "old_logprobs"):
+            old_logprobs = self._old_logprobs(batch)
         with timed(metrics, "optimize"):
             for stats in self._optimize(batch, advantages, old_logprobs, ref_logprobs):
                 for key, value in stats.items():
@@ -107,11 +101,22 @@ class Learner:
     def _steps_per_update(self) -> int:
         return self.ppo.epochs * self.ppo.minibatches
 
+    @torch.no_grad()
+    def _old_logprobs(self, batch: PathBatch) -> torch.Tensor | None:
+        """Log-probs (B, T-1) the ratio is taken against, or None when they are the current
+        policy's own: with one optimizer step per update, recomputing them before the step gives
+        exactly the training forward's values, so that forward is reused instead."""
+        if self.ppo.use_engine_logprobs:
+            return batch.behaviour_logprobs
+        if self._steps_per_update == 1:
+            return None
+        return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)[0]
+
     def _optimize(
         self,
         batch: PathBatch,
         advantages: torch.Tensor,
-        old_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
         ref_logprobs: torch.Tensor,
     ):
         """Yield the statistics of each optimizer step over shuffled minibatches of rows."""
@@ -127,7 +132,7 @@ class Learner:
                 token_advantages = advantages[rows, None].expand_as(mb.loss_mask)
                 loss, stats = ppo_loss(
                     logprobs,
-                    old_logprobs[rows],
+                    logprobs.detach() if old_logprobs is None else old_logprobs[rows],
                     ref_logprobs[rows],
                     entropy,
                     token_advantages,

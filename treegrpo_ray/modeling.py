@@ -106,37 +106,6 @@ def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def load_policy(
-    path: str | Path,
-) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory, checking they match.
-
-    Raises UserInputError when the directory or its config.json is missing, or when the tokenizer
-    has more tokens than the model has embedding rows.
-    """
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise UserInputError(
-            f"policy directory {path} does not exist; point the model path at a directory written "
-            "by save_pretrained (e.g. the warm-start cache)"
-        )
-    if not (path / "config.json").is_file():
-        raise UserInputError(
-            f"policy directory {path} has no config.json; it must hold a model saved with "
-            "save_pretrained (config.json + weights + tokenizer files)"
-        )
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    tokenizer = load_tokenizer(path)
-    embeddings = model.get_input_embeddings()
-    rows = embeddings.weight.shape[0] if isinstance(embeddings, torch.nn.Embedding) else 0
-    if len(tokenizer) > rows:
-        raise UserInputError(
-            f"tokenizer does not match the model in {path}: {len(tokenizer)} tokens but only "
-            f"{rows} embedding rows; save the tokenizer the model was trained with next to it"
-        )
-    return model, tokenizer
-
-
 def check_policy_dir(path: str | Path) -> None:
     """Cheap checks of a policy directory without loading weights (see ``load_policy``)."""
     path = Path(path).expanduser()
@@ -150,6 +119,11 @@ def check_policy_dir(path: str | Path) -> None:
             f"model.path: {path} has no config.json; it must hold a model saved with "
             "save_pretrained (config.json + weights + tokenizer files)"
         )
+    if not (path / "tokenizer.json").is_file():
+        raise UserInputError(
+            f"model.path: {path} has no tokenizer.json; save the model's tokenizer next to it "
+            "(tokenizer.save_pretrained(path))"
+        )
     rows = transformers.AutoConfig.from_pretrained(str(path)).vocab_size
     tokens = len(load_tokenizer(path))
     if tokens > rows:
@@ -157,3 +131,17 @@ def check_policy_dir(path: str | Path) -> None:
             f"model.path: tokenizer does not match the model in {path}: {tokens} tokens but only "
             f"{rows} embedding rows; save the tokenizer the model was trained with next to it"
         )
+
+
+def load_policy(
+    path: str | Path,
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory (fp32).
+
+    Raises UserInputError (via ``check_policy_dir``) when the directory or its config.json is
+    missing, or when the tokenizer has more tokens than the model has embedding rows.
+    """
+    check_policy_dir(path)
+    path = Path(path).expanduser()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model, load_tokenizer(path)

@@ -64,3 +64,20 @@ def test_missing_model_directory(treegrpo, tmp_path):
 def test_other_invalid_values(treegrpo, bad):
     result = treegrpo("train", "tiny-multihop", "--set", bad)
     _assert_one_line_error(result, bad.split("=")[0])
+
+
+def test_tokenizer_that_does_not_match_the_model(treegrpo, tmp_path):
+    from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+
+    build_word_tokenizer([f"w{i}" for i in range(20)], tmp_path)  # 23 tokens
+    build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)
+    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={tmp_path}")
+    _assert_one_line_error(result, "model.path", "tokenizer does not match", "23 tokens")
+
+
+def test_model_directory_without_tokenizer(treegrpo, tmp_path):
+    from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+
+    build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)
+    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={tmp_path}")
+    _assert_one_line_error(result, "model.path", "no tokenizer.json")
