@@ -110,7 +110,10 @@ class Learner:
             return batch.behaviour_logprobs
         if self._steps_per_update == 1:
             return None
-        return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)[0]
+        logprobs, _ = token_logprobs(
+            self.model, batch.input_ids, batch.attention_mask, self.temperature
+        )
+        return logprobs
 
     def _optimize(
         self,
