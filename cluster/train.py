@@ -97,6 +97,7 @@ def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str
 def train(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Run one training job to the end; returns the summary (also written to summary.json)."""
     start = time.perf_counter()
+    cfg = cfg.with_absolute_paths()
     model_path = resolve_model_path(cfg, progress)
     started_ray = _connect(cfg)
     controller = (

@@ -141,6 +141,19 @@ class RunConfig(_Section):
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / self.name
 
+    def with_absolute_paths(self) -> RunConfig:
+        """A copy whose output and cache paths are absolute, so that processes with another
+        working directory (Ray Train workers run in their own) write where the user asked."""
+
+        def absolute(path: str) -> str:
+            return str(Path(path).expanduser().resolve())
+
+        train = self.train.model_copy(update={"output_dir": absolute(self.train.output_dir)})
+        warmstart = self.warmstart.model_copy(
+            update={"cache_dir": absolute(self.warmstart.cache_dir)}
+        )
+        return self.model_copy(update={"train": train, "warmstart": warmstart})
+
 
 def preset_names() -> list[str]:
     files = resources.files("treegrpo_ray").joinpath("presets").iterdir()

@@ -37,3 +37,50 @@ def test_engine_logprobs_match_the_learner_recomputation(tiny_cfg, tiny_policy):
         logprobs, _ = token_logprobs(learner.model, batch.input_ids, batch.attention_mask)
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(logprobs[mask], batch.behaviour_logprobs[mask], atol=1e-4, rtol=0)
+
+
+class ListQueue:
+    """Test double for TreeQueue: hands out prepared tables in order (no Ray needed)."""
+
+    def __init__(self, tables):
+        self.tables = list(tables)
+
+    def get(self):
+        return self.tables.pop(0)
+
+
+def _table(version, group_ids):
+    from treegrpo_ray.tree import ROOT, Tree, trees_to_arrow
+
+    trees = []
+    for g in group_ids:
+        tree = Tree(tree_id=g, group_id=g, prompt_ids=[1])
+        tree.add(
+            ROOT,
+            action_ids=[2],
+            action_logprobs=[-0.5],
+            obs_ids=[],
+            finished=True,
+            finish_reason="done",
+            policy_version=version,
+            role="answer",
+            tool_call=False,
+            reward=1.0,
+        )
+        trees.append(tree)
+    budgets = {str(g): {"generated_tokens": 1, "tool_calls": 0, "leaves": 1} for g in group_ids}
+    meta = {"policy_version": version, "budgets": budgets, "rollout_seconds": 0.5}
+    return trees_to_arrow(trees, meta)
+
+
+def test_pull_batch_refuses_trees_older_than_the_lag():
+    from learners.learner import pull_batch
+
+    queue = ListQueue([_table(3, [0, 1]), _table(4, [2, 3]), _table(5, [4, 5])])
+    trees, metrics = pull_batch(queue, groups_needed=4, version=5, max_lag=1)
+    # version 3 < 5 - 1 is dropped (2 groups); versions 4 and 5 make up the 4 groups
+    assert sorted(t.group_id for t in trees) == [2, 3, 4, 5]
+    assert metrics["tree/dropped_stale"] == 2
+    assert metrics["budget/generated_tokens"] == 4
+    assert metrics["rollout/seconds"] == 1.0
+    assert queue.tables == []
