@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config field, e.g. --set tree.n=0 (repeatable)",
         )
         cmd.add_argument("--quiet", action="store_true", help="no progress bars")
+    sub.choices["train"].add_argument(
+        "--overwrite", action="store_true", help="replace an existing run directory of that name"
+    )
     sub.add_parser("presets", help="list the presets shipped with the package")
     return parser
 
@@ -47,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from cluster.train import train
 
-    summary = train(cfg, progress=not args.quiet)
+    summary = train(cfg, progress=not args.quiet, overwrite=args.overwrite)
     print(summary["line"])
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from cluster.controller import Controller
 from learners.learner import train_loop_per_worker
 from learners.warmstart import warm_start
 from treegrpo_ray.config import RunConfig
+from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.modeling import check_policy_dir
 
 
@@ -94,10 +96,22 @@ def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str
     )
 
 
-def train(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
+def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one's metrics and Ray Train state."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise UserInputError(
+                f"run directory {run_dir} already exists; choose another name with "
+                "--set name=NAME, or pass --overwrite to replace it"
+            )
+        shutil.rmtree(run_dir)
+
+
+def train(cfg: RunConfig, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Run one training job to the end; returns the summary (also written to summary.json)."""
     start = time.perf_counter()
     cfg = cfg.with_absolute_paths()
+    _claim_run_dir(cfg.run_dir, overwrite)
     model_path = resolve_model_path(cfg, progress)
     started_ray = _connect(cfg)
     controller = (

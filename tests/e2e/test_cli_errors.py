@@ -81,3 +81,12 @@ def test_model_directory_without_tokenizer(treegrpo, tmp_path):
     build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)
     result = treegrpo("train", "tiny-multihop", "--set", f"model.path={tmp_path}")
     _assert_one_line_error(result, "model.path", "no tokenizer.json")
+
+
+def test_existing_run_directory_is_not_mixed_into(treegrpo, tmp_path):
+    (tmp_path / "old" / "metrics.jsonl").parent.mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text("{}\n")
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "name=old", "--set", f"train.output_dir={tmp_path}"
+    )
+    _assert_one_line_error(result, str(tmp_path / "old"), "already exists", "--overwrite")
