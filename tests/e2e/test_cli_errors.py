@@ -13,10 +13,16 @@ def treegrpo(capsys):
     """Run the CLI in-process; returns (exit code, stderr)."""
 
     def run(*args):
+        capsys.readouterr()  # drop what the test itself printed while setting up
         code = main(list(args))
         return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
 
     return run
+
+
+def _fresh_output(tmp_path):
+    """Overrides that keep a test's run directory away from the working directory's runs/."""
+    return ("--set", f"train.output_dir={tmp_path / 'runs'}")
 
 
 def _assert_one_line_error(result, *fragments):
@@ -56,7 +62,9 @@ def test_invalid_value_names_field_and_value(treegrpo):
 
 def test_missing_model_directory(treegrpo, tmp_path):
     missing = tmp_path / "nowhere"
-    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={missing}")
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", f"model.path={missing}", *_fresh_output(tmp_path)
+    )
     _assert_one_line_error(result, str(missing), "does not exist")
 
 
@@ -71,7 +79,9 @@ def test_tokenizer_that_does_not_match_the_model(treegrpo, tmp_path):
 
     build_word_tokenizer([f"w{i}" for i in range(20)], tmp_path)  # 23 tokens
     build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)
-    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={tmp_path}")
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", f"model.path={tmp_path}", *_fresh_output(tmp_path)
+    )
     _assert_one_line_error(result, "model.path", "tokenizer does not match", "23 tokens")
 
 
@@ -79,7 +89,9 @@ def test_model_directory_without_tokenizer(treegrpo, tmp_path):
     from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 
     build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)
-    result = treegrpo("train", "tiny-multihop", "--set", f"model.path={tmp_path}")
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", f"model.path={tmp_path}", *_fresh_output(tmp_path)
+    )
     _assert_one_line_error(result, "model.path", "no tokenizer.json")
 
 
