@@ -6,6 +6,7 @@ Every field is documented once, here, where it is defined. Validation errors bec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -199,7 +200,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise UserInputError(f"override '{override}': value is not valid YAML") from err
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: Mapping[str, Any]) -> str:
     field = ".".join(str(p) for p in error["loc"]) or "config"
     if error["type"] == "extra_forbidden":
         return f"unknown field '{field}'; check the spelling against the preset"
