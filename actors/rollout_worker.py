@@ -138,12 +138,13 @@ class RolloutWorker:
             for expansion, result in zip(frontier, results, strict=True):
                 tree = trees[expansion.tree_index]
                 node = self._add_node(tree, expansion.node_id, result, step_of.get(id(expansion)))
-                budget = budgets.get(tree.group_id, Budget())
-                budget.generated_tokens += len(result.token_ids)
-                budget.prefill_tokens += result.prefill_tokens
-                budget.cached_tokens += result.cached_tokens
-                budget.tool_calls += int(node.tool_call)
-                budget.leaves += int(node.finished)
+                budgets.get(tree.group_id, Budget()).count_step(
+                    len(result.token_ids),
+                    result.prefill_tokens,
+                    result.cached_tokens,
+                    node.tool_call,
+                    node.finished,
+                )
                 if not node.finished:
                     next_frontier.append(Expansion(expansion.tree_index, node.node_id))
             frontier = next_frontier

@@ -8,6 +8,7 @@ the controller's step records, and prints a closing summary.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -47,7 +48,7 @@ def _connect(cfg: RunConfig) -> bool:
         ray.init(address=cfg.cluster.address, logging_level="WARNING")
         return True
     cpus = cfg.cluster.rollout_workers * cfg.cluster.rollout_cpus + cfg.cluster.learner_cpus
-    ray.init(num_cpus=int(cpus + 0.999), logging_level="WARNING", log_to_driver=False)
+    ray.init(num_cpus=math.ceil(cpus), logging_level="WARNING", log_to_driver=False)
     return True
 
 

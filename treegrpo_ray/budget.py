@@ -21,6 +21,16 @@ class Budget:
     cached_tokens: int = 0
     leaves: int = 0
 
+    def count_step(
+        self, generated: int, prefill: int, cached: int, tool_call: bool, leaf: bool
+    ) -> None:
+        """Record one generated action: its tokens, its prefix work, its tool call and leaf."""
+        self.generated_tokens += generated
+        self.prefill_tokens += prefill
+        self.cached_tokens += cached
+        self.tool_calls += int(tool_call)
+        self.leaves += int(leaf)
+
     def add(self, other: Budget) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
