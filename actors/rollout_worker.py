@@ -16,11 +16,17 @@ import torch
 
 from actors.engines.hf_engine import HFEngine
 from treegrpo_ray.budget import Budget
-from treegrpo_ray.config import SamplingConfig, TaskConfig, TreeConfig
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.config import EngineConfig, SamplingConfig, TaskConfig, TreeConfig
+from treegrpo_ray.engine import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    LoraPayload,
+    SamplingParams,
+)
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
-from treegrpo_ray.modeling import load_policy
+from treegrpo_ray.modeling import load_policy, load_tokenizer
 from treegrpo_ray.search import Expansion, TreePlanner
 from treegrpo_ray.tree import AgentStep, Tree, trees_to_arrow
 
@@ -40,6 +46,17 @@ def make_env(task: TaskConfig) -> AgentEnv:
     return MultihopEnv(MultihopTask(task.multihop))
 
 
+def make_engine(model_path: str, engine: EngineConfig, seed: int) -> Engine:
+    """The rollout engine named by the config, loaded from the policy directory."""
+    if engine.kind == "vllm":
+        from actors.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, engine.vllm, seed=seed, prefix_cache=engine.prefix_cache)
+    model, tokenizer = load_policy(model_path)
+    cache_bytes = engine.cache_bytes if engine.prefix_cache else 0
+    return HFEngine(model, tokenizer.pad_token_id, seed=seed, cache_bytes=cache_bytes)
+
+
 class RolloutWorker:
     """Expands agent-step trees for leased prompt groups with one engine."""
 
@@ -49,12 +66,13 @@ class RolloutWorker:
         task: TaskConfig,
         tree: TreeConfig,
         sampling: SamplingConfig,
+        engine: EngineConfig | None = None,
         seed: int = 0,
         torch_threads: int = 1,
     ):
         torch.set_num_threads(torch_threads)
-        model, self.tokenizer = load_policy(model_path)
-        self.engine = HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, seed=seed)
+        self.engine = make_engine(model_path, engine or EngineConfig(), seed)
+        self.tokenizer = load_tokenizer(model_path)
         self.env = make_env(task)
         self.shape = tree.shape()
         self.sampling = sampling
@@ -66,7 +84,11 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.version
 
-    def load_weights(self, version: int, payload: dict[str, torch.Tensor]) -> int:
+    def cache_stats(self) -> dict[str, float]:
+        """The engine's prefill / prefix-cache counters since start."""
+        return self.engine.cache_stats()
+
+    def load_weights(self, version: int, payload: dict[str, torch.Tensor] | LoraPayload) -> int:
         self.engine.load_weights(version, payload)
         return version
 

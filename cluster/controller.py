@@ -22,8 +22,16 @@ from torch.utils.tensorboard import SummaryWriter
 
 from actors.rollout_worker import Lease, RolloutWorker
 from actors.tree_queue import TreeQueue
+from cluster.engines import rollout_actor_options
 from treegrpo_ray.config import RunConfig
 from treegrpo_ray.envs.multihop import MultihopTask
+
+BUDGET_TOTALS = (
+    "budget/generated_tokens",
+    "budget/tool_calls",
+    "budget/prefill_tokens",
+    "budget/cached_tokens",
+)
 
 
 class MetricsLog:
@@ -55,13 +63,14 @@ class Controller:
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
         self.queue = TreeQueue(cfg.cluster.queue_size)
-        remote_worker = ray.remote(RolloutWorker).options(num_cpus=cfg.cluster.rollout_cpus)
+        remote_worker = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg))
         self.workers = [
             remote_worker.remote(
                 model_path,
                 cfg.task,
                 cfg.tree,
                 cfg.sampling,
+                cfg.engine,
                 seed=cfg.train.seed + i,
                 torch_threads=cfg.cluster.torch_threads,
             )
@@ -124,6 +133,7 @@ class Controller:
         self, version: int, weights: list[ray.ObjectRef], metrics: dict[str, float]
     ) -> None:
         """Load policy ``version`` into every worker, evaluate when due, record the step."""
+        metrics.update(self._engine_cache_metrics())
         start = time.perf_counter()
         ray.get([w.load_weights.remote(version, weights[0]) for w in self.workers])
         metrics["timing/weight_sync"] = time.perf_counter() - start
@@ -137,6 +147,14 @@ class Controller:
             self.records.append({"step": version, **metrics})
             self.log.write(version, metrics)
             self.changed.notify_all()
+
+    def _engine_cache_metrics(self) -> dict[str, float]:
+        """KV held by the workers' prefix caches now and evictions since start (all workers)."""
+        stats = ray.get([w.cache_stats.remote() for w in self.workers])
+        return {
+            "rollout/cache_bytes": float(sum(s["bytes"] for s in stats)),
+            "rollout/cache_evictions": float(sum(s["evictions"] for s in stats)),
+        }
 
     def evaluate(self, questions: int, temperature: float) -> float:
         """Held-out success rate (one chain per question), sharded over the workers."""
@@ -172,7 +190,7 @@ class Controller:
     def summary(self) -> dict[str, Any]:
         totals: dict[str, float] = {}
         for record in self.records:
-            for key in ("budget/generated_tokens", "budget/tool_calls"):
+            for key in BUDGET_TOTALS:
                 totals[key] = totals.get(key, 0.0) + record.get(key, 0.0)
         return {
             **self.evals,

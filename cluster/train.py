@@ -82,7 +82,7 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
 
 def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str:
     """One line: held-out EM before -> after (sampled at the training temperature, greedy), wall
-    time, tokens generated, tool calls."""
+    time, tokens generated, tool calls, share of rollout prefix tokens served by the KV cache."""
 
     def em(key: str) -> str:
         return f"{100 * summary[f'before/{key}']:.1f} -> {100 * summary[f'after/{key}']:.1f}"
@@ -93,8 +93,14 @@ def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str
         f"sampled@T={cfg.sampling.temperature:g} {em('eval/sampled_em')}, "
         f"greedy {em('eval/greedy_em')} | "
         f"{int(summary.get('budget/generated_tokens', 0)):,} tokens generated, "
-        f"{int(summary.get('budget/tool_calls', 0)):,} tool calls | {cfg.run_dir}"
+        f"{int(summary.get('budget/tool_calls', 0)):,} tool calls, "
+        f"{_cached_share(summary):.0%} of prefix tokens from the KV cache | {cfg.run_dir}"
     )
+
+
+def _cached_share(summary: dict[str, Any]) -> float:
+    cached = summary.get("budget/cached_tokens", 0.0)
+    return cached / max(cached + summary.get("budget/prefill_tokens", 0.0), 1.0)
 
 
 def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:

@@ -72,6 +72,32 @@ class SamplingConfig(_Section):
     )
 
 
+class VLLMConfig(_Section):
+    """Settings of the vLLM engine (GPU clusters; ``engine.kind: vllm``)."""
+
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per rollout engine.")
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0, le=1, description="Fraction of each GPU vLLM may use (weights + KV cache)."
+    )
+    dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float16 or float32.")
+    enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
+    max_model_len: int | None = Field(None, gt=0, description="Context length; null: model's.")
+    max_lora_rank: int = Field(16, gt=0, description="Largest LoRA rank the engine accepts.")
+
+
+class EngineConfig(_Section):
+    """The rollout engine: embedded transformers (``hf``, CPU or one GPU) or vLLM."""
+
+    kind: Literal["hf", "vllm"] = Field("hf", description="hf: embedded transformers; vllm: GPU.")
+    prefix_cache: bool = Field(
+        True, description="Reuse the KV of shared prefixes (hf: our radix cache; vllm: APC)."
+    )
+    cache_bytes: int = Field(
+        512 * 2**20, ge=0, description="Memory budget of the hf engine's prefix cache (LRU)."
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+
 class PPOConfig(_Section):
     advantage: Literal["tree", "chain"] = Field(
         "tree", description="tree: intra-tree + inter-tree (paper); chain: prompt-level GRPO."
@@ -124,6 +150,7 @@ class RunConfig(_Section):
     warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
     tree: TreeConfig = Field(default_factory=TreeConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

@@ -49,6 +49,15 @@ class GenerationResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LoraPayload:
+    """A LoRA adapter as shipped to rollout engines: the adapter tensors only (peft names, as in
+    ``get_peft_model_state_dict``) and the peft ``LoraConfig`` as a dict (``to_dict()``)."""
+
+    adapter_state: dict[str, Any]
+    peft_config: dict[str, Any]
+
+
 class Engine(Protocol):
     """A batched generator with a policy version."""
 
@@ -59,5 +68,11 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, version: int, payload: Any) -> None:
-        """Switch to policy ``version``; no KV computed under an older version may be reused."""
+        """Switch to policy ``version`` (payload: a full state dict or a ``LoraPayload``); no KV
+        computed under an older version may be reused."""
+        ...
+
+    def cache_stats(self) -> dict[str, float]:
+        """Counters since start: ``prefill_tokens``, ``cached_tokens``, ``lookups``, ``hits``,
+        ``evictions``, ``bytes`` (KV held now), ``hit_rate`` (hits / lookups)."""
         ...

@@ -1,18 +1,20 @@
 """Embedded CPU engine on transformers: batched, token ids in, token ids + log-probs out.
 
-Requests of different prefix lengths are left-padded into one batch; decoding uses the model's KV
-cache. Each request samples from its own generator when its ``SamplingParams.seed`` is set, so a
+Requests of different prefix lengths are padded into one batch; decoding uses the model's KV cache,
+and a prefix cache serves the KV of prefixes computed by earlier calls. Each request samples from its own generator when its ``SamplingParams.seed`` is set, so a
 request's output does not depend on which other requests share its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from actors.engines.prefix_cache import LayerKV, PrefixCache
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
 
 
@@ -67,22 +69,38 @@ class _Row:
 class HFEngine:
     """Batched generation with a transformers causal LM on CPU (or one CUDA device).
 
-    model: a ``PreTrainedModel`` in eval mode; pad_token_id: id used for left padding;
-    seed: seeds the generator used by requests without their own seed.
+    model: a ``PreTrainedModel`` in eval mode; pad_token_id: id used for padding; seed: seeds the
+    generator used by requests without their own seed; cache_bytes: memory budget of the prefix
+    KV cache (0 turns it off).
+
+    Prefix caching: every request looks up the longest prefix of its tokens already computed (a
+    radix tree over token ids, ``PrefixCache``) and only its remaining tokens go through the model.
+    A batch lays each row out as ``[pad][cached KV][pad][new tokens]``: the cached parts, of
+    different lengths, are right-aligned in the past KV, the new parts right-aligned in the input,
+    with explicit position ids and an attention mask that hides both pads. After decoding, each
+    row's KV (prefix + generated tokens but the last, which was never fed) is inserted.
     """
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, seed: int = 0):
+    def __init__(
+        self, model: PreTrainedModel, pad_token_id: int, seed: int = 0, cache_bytes: int = 0
+    ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.generator = torch.Generator().manual_seed(seed)
         self.max_positions = int(model.config.max_position_embeddings)
         self.version = 0
+        self.cache = PrefixCache(cache_bytes)
 
     def load_weights(self, version: int, payload: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict as policy ``version``."""
+        """Load a full state dict as policy ``version``; the prefix cache starts empty."""
         self.model.load_state_dict(payload)
         self.version = version
+        self.cache.reset(version)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefill / cache counters since start (see ``CacheStats``)."""
+        return self.cache.stats.to_dict()
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Continue every request's prefix; results come back in request order."""
@@ -107,17 +125,9 @@ class HFEngine:
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         rows = [_Row(r, self._row_generator(r.params)) for r in requests]
-        lengths = torch.tensor([len(r.prefix_ids) for r in requests])
-        width = int(lengths.max())
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, request in enumerate(requests):
-            input_ids[i, width - len(request.prefix_ids) :] = torch.tensor(request.prefix_ids)
-            attention_mask[i, width - len(request.prefix_ids) :] = 1
-        positions = (lengths - 1).clone()
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        prefill = self._prefill(requests)
+        logits, cache, attention_mask = prefill.logits, prefill.cache, prefill.attention_mask
+        positions = torch.tensor([len(r.prefix_ids) - 1 for r in requests])
         max_steps = max(r.params.max_new_tokens for r in requests)
         for _ in range(max_steps):
             for row, row_logits in zip(rows, logits, strict=True):
@@ -136,15 +146,67 @@ class HFEngine:
                 [attention_mask, torch.ones(len(rows), 1, dtype=torch.long)], 1
             )
             logits = self._forward(next_ids[:, None], attention_mask, positions[:, None], cache)
+        self._remember(rows, cache, attention_mask)
         return [
             GenerationResult(
                 token_ids=row.token_ids,
                 logprobs=row.logprobs,
                 finish_reason=row.finish_reason or "length",
-                prefill_tokens=len(row.request.prefix_ids),
+                prefill_tokens=len(row.request.prefix_ids) - cached,
+                cached_tokens=cached,
             )
-            for row in rows
+            for row, cached in zip(rows, prefill.cached, strict=True)
         ]
+
+    def _prefill(self, requests: list[GenerationRequest]) -> _Prefill:
+        """Run the uncached part of every prefix (at least its last token) through the model."""
+        matches = [self.cache.match(r.prefix_ids[:-1]) for r in requests]
+        cached = [length for length, _ in matches]
+        new = [r.prefix_ids[c:] for r, c in zip(requests, cached, strict=True)]
+        past, width = max(cached), max(len(ids) for ids in new)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((len(requests), width), dtype=torch.long)
+        attention_mask = torch.zeros((len(requests), past + width), dtype=torch.long)
+        for i, (c, ids) in enumerate(zip(cached, new, strict=True)):
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            position_ids[i, width - len(ids) :] = torch.arange(c, c + len(ids))
+            attention_mask[i, past - c : past] = 1
+            attention_mask[i, past + width - len(ids) :] = 1
+            self.cache.stats.prefill_tokens += len(ids)
+            self.cache.stats.cached_tokens += c
+        cache = self._past_cache([kv for _, kv in matches], past)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        return _Prefill(logits, cache, attention_mask, cached)
+
+    def _past_cache(self, kvs: list[LayerKV], past: int) -> DynamicCache:
+        """A batch cache with each row's cached KV right-aligned in ``past`` slots (zeros before)."""
+        if past == 0:
+            return DynamicCache()
+        some = next(kv for kv in kvs if kv)
+        layers = []
+        for layer, (key, _) in enumerate(some):
+            heads, _, dim = key.shape
+            shape = (len(kvs), heads, past, dim)
+            keys = torch.zeros(shape, dtype=key.dtype, device=self.device)
+            values = torch.zeros(shape, dtype=key.dtype, device=self.device)
+            for i, kv in enumerate(kvs):
+                if kv:
+                    keys[i, :, past - kv[layer][0].shape[1] :] = kv[layer][0]
+                    values[i, :, past - kv[layer][1].shape[1] :] = kv[layer][1]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _remember(
+        self, rows: list[_Row], cache: DynamicCache, attention_mask: torch.Tensor
+    ) -> None:
+        """Insert each row's prefix + fed tokens with their KV (the real slots of its row)."""
+        if not self.cache.enabled:
+            return
+        for i, row in enumerate(rows):
+            ids = row.request.prefix_ids + tuple(row.token_ids[:-1])
+            slots = attention_mask[i].nonzero().squeeze(-1)[: len(ids)].to(self.device)
+            kv = [(layer.keys[i][:, slots], layer.values[i][:, slots]) for layer in cache.layers]
+            self.cache.insert(ids, kv)
 
     def _forward(
         self,
@@ -162,3 +224,14 @@ class HFEngine:
             use_cache=True,
         )
         return out.logits[:, -1, :].float().cpu()
+
+
+@dataclass
+class _Prefill:
+    """logits: (B, V) of each row's last prefix token; cache / attention_mask: (B, ..., P) state
+    after the prefix; cached: prefix tokens per row that came from the prefix cache."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    attention_mask: torch.Tensor
+    cached: list[int]

@@ -1,0 +1,47 @@
+"""Ray actor options for rollout workers that run the vLLM engine (``engine.kind: vllm``).
+
+One GPU: the actor asks Ray for the GPU and vLLM runs the model in the actor's own process.
+Tensor parallel (TP > 1): the vLLM 0.33 pattern (``examples/rl/rlhf_nccl.py`` in the vLLM repo;
+``v1/executor/ray_utils.py`` ``initialize_ray_cluster``, ``v1/executor/ray_executor_v2.py``) is a
+placement group of TP one-GPU bundles; the actor itself takes no GPU, sits in bundle 0 and captures
+the group for its child tasks, so vLLM (``distributed_executor_backend="ray"``, set by
+``VLLMEngine``) finds it with ``ray.util.get_current_placement_group()`` and starts one GPU worker
+actor per bundle (``num_cpus=0, num_gpus=1``). Written from the vLLM source; not run here (no GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from treegrpo_ray.config import RunConfig, VLLMConfig
+
+
+def vllm_actor_options(settings: VLLMConfig, num_cpus: float = 1) -> dict[str, Any]:
+    """Options for ``ray.remote(RolloutWorker).options(**...)`` running a ``VLLMEngine``.
+
+    For TP > 1 this creates a placement group (``STRICT_PACK``: one node, TP traffic stays on
+    NVLink/PCIe) that the caller owns: remove it with ``ray.util.remove_placement_group(
+    options["scheduling_strategy"].placement_group)`` when the worker is retired, otherwise its GPUs
+    stay reserved until the job ends.
+    """
+    tp = settings.tensor_parallel_size
+    if tp == 1:
+        return {"num_cpus": num_cpus, "num_gpus": 1}
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundles = [{"GPU": 1, "CPU": num_cpus}] + [{"GPU": 1}] * (tp - 1)
+    group = placement_group(bundles, strategy="STRICT_PACK")
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=group,
+        placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True,
+    )
+    return {"num_cpus": num_cpus, "num_gpus": 0, "scheduling_strategy": strategy}
+
+
+def rollout_actor_options(cfg: RunConfig) -> dict[str, Any]:
+    """Ray actor options of one rollout worker for the configured engine."""
+    if cfg.engine.kind == "vllm":
+        return vllm_actor_options(cfg.engine.vllm, num_cpus=cfg.cluster.rollout_cpus)
+    return {"num_cpus": cfg.cluster.rollout_cpus}

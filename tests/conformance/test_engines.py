@@ -1,0 +1,216 @@
+"""One conformance suite for every rollout engine (DESIGN §4: the Engine contract).
+
+Prompts start with an observation so that they span more than one vLLM KV block (16 tokens),
+where vLLM's prefix cache starts to hit.
+
+Each engine is built twice from the same policy directory, with and without its prefix cache, and
+driven through tree-shaped waves: a prompt, continuations that extend an earlier output plus an
+observation, and branches that re-expand an earlier prefix. The CUDA and vLLM cases are marked
+``gpu`` and skip without CUDA (and vllm).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from actors.engines.hf_engine import HFEngine
+from treegrpo_ray.config import VLLMConfig
+from treegrpo_ray.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.modeling import load_policy, load_tokenizer
+
+CACHE_BYTES = 64 * 2**20
+OBSERVATION = " <info> p51 born_in y19 . c20 based_in k12 . p3 works_for c27 . </info> "
+QUESTIONS = [
+    "<question> in which country was p84 born ? </question> ",
+    "<question> who is the employer of p3 ? </question> ",
+    "<question> where is the employer of p7 based ? </question> ",
+]
+
+
+def _hf(device: str) -> Callable[[str, bool], Engine]:
+    def make(path: str, prefix_cache: bool) -> Engine:
+        model, tokenizer = load_policy(path)
+        cache_bytes = CACHE_BYTES if prefix_cache else 0
+        return HFEngine(model.to(device), tokenizer.pad_token_id, cache_bytes=cache_bytes)
+
+    return make
+
+
+def _vllm(path: str, prefix_cache: bool) -> Engine:
+    from actors.engines.vllm_engine import VLLMEngine
+
+    settings = VLLMConfig(dtype="float32", gpu_memory_utilization=0.3)
+    return VLLMEngine(path, settings, seed=0, prefix_cache=prefix_cache)
+
+
+NO_CUDA = not torch.cuda.is_available()
+NO_VLLM = importlib.util.find_spec("vllm") is None
+ENGINES = [
+    pytest.param(_hf("cpu"), id="hf-cpu"),
+    pytest.param(
+        _hf("cuda"),
+        id="hf-cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(NO_CUDA, reason="needs CUDA")],
+    ),
+    pytest.param(
+        _vllm,
+        id="vllm",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(NO_CUDA or NO_VLLM, reason="needs CUDA + vllm")],
+    ),
+]
+
+
+@pytest.fixture(params=ENGINES)
+def make_engine(request) -> Callable[[str, bool], Engine]:
+    return request.param
+
+
+def _requests(prefixes, temperature: float, max_new_tokens: int = 8, stops=()):
+    return [
+        GenerationRequest(
+            tuple(prefix),
+            SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=100 + i),
+            stop_sequences=stops,
+        )
+        for i, prefix in enumerate(prefixes)
+    ]
+
+
+def tree_waves(engine: Engine, tokenizer, temperature: float) -> list[list[GenerationResult]]:
+    """Three batched waves shaped like a tree search (2 trees per question, then a continuation
+    of each, then a re-expansion of every first-wave prefix); returns each wave's results."""
+    prompts = [
+        tokenizer.encode(OBSERVATION + q, add_special_tokens=False)
+        for q in QUESTIONS
+        for _ in range(2)
+    ]
+    observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
+    first = engine.generate(_requests(prompts, temperature))
+    continued = [p + r.token_ids + observation for p, r in zip(prompts, first, strict=True)]
+    second = engine.generate(_requests(continued, temperature))
+    branched = engine.generate(_requests(continued + prompts, temperature))
+    return [first, second, branched]
+
+
+def reference_logprobs(model, prefix: list[int], tokens: list[int], temperature: float):
+    """Log-probs of ``tokens`` after ``prefix`` from one uncached forward pass: (len(tokens),)."""
+    ids = torch.tensor([prefix + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prefix) - 1 : -1].float()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    return log_probs.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def test_greedy_tokens_of_the_cached_engine_equal_the_uncached(make_engine, tiny_policy):
+    tokenizer = load_tokenizer(tiny_policy)
+    cached = tree_waves(make_engine(tiny_policy, True), tokenizer, temperature=0.0)
+    uncached = tree_waves(make_engine(tiny_policy, False), tokenizer, temperature=0.0)
+    assert [[r.token_ids for r in wave] for wave in cached] == [
+        [r.token_ids for r in wave] for wave in uncached
+    ]
+    assert sum(r.cached_tokens for r in cached[1] + cached[2]) > 0
+    assert sum(r.cached_tokens for wave in uncached for r in wave) == 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["cached", "uncached"])
+def test_sampled_logprobs_match_a_reference_forward_pass(make_engine, tiny_policy, prefix_cache):
+    tokenizer = load_tokenizer(tiny_policy)
+    reference, _ = load_policy(tiny_policy)
+    engine = make_engine(tiny_policy, prefix_cache)
+    prompt = tokenizer.encode(QUESTIONS[0], add_special_tokens=False)
+    observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
+    prefixes = [prompt, prompt[:-3], prompt + observation]
+    for temperature in (1.0, 0.7):
+        for _ in range(2):  # the second round is served from the cache where there is one
+            results = engine.generate(_requests(prefixes, temperature))
+            for prefix, result in zip(prefixes, results, strict=True):
+                expected = reference_logprobs(reference, prefix, result.token_ids, temperature)
+                torch.testing.assert_close(
+                    torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0
+                )
+
+
+def test_stop_sequences_end_generation_and_are_included(make_engine, tiny_policy):
+    tokenizer = load_tokenizer(tiny_policy)
+    engine = make_engine(tiny_policy, True)
+    prompt = tokenizer.encode(QUESTIONS[1], add_special_tokens=False)
+    free = engine.generate(_requests([prompt], 0.0, max_new_tokens=8))[0].token_ids
+    stop = tuple(free[2:4])
+    other_stop = (tokenizer.pad_token_id, tokenizer.pad_token_id)
+    stopped = engine.generate(_requests([prompt], 0.0, stops=(other_stop, stop)))[0]
+    end = next(j + 2 for j in range(len(free) - 1) if tuple(free[j : j + 2]) == stop)
+    assert stopped.token_ids == free[:end]
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+
+
+def test_finish_reasons(make_engine, tiny_policy):
+    tokenizer = load_tokenizer(tiny_policy)
+    engine = make_engine(tiny_policy, True)
+    context = load_policy(tiny_policy)[0].config.max_position_embeddings
+    prompt = tokenizer.encode(QUESTIONS[2], add_special_tokens=False)
+    filler = (prompt * context)[:context]
+    near_limit = filler[: context - 3]
+    results = engine.generate(_requests([prompt, filler + prompt, near_limit], 1.0, 8))
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 8
+    assert results[1].finish_reason in ("context", "length") and results[1].token_ids == []
+    assert results[2].finish_reason in ("context", "length")
+    assert len(near_limit) + len(results[2].token_ids) <= context
+
+
+def test_no_kv_of_an_older_version_serves_a_newer_one(make_engine, tiny_policy):
+    tokenizer = load_tokenizer(tiny_policy)
+    engine = make_engine(tiny_policy, True)
+    tree_waves(engine, tokenizer, temperature=1.0)  # fills the cache under version 0
+    generator = torch.Generator().manual_seed(0)
+    old, _ = load_policy(tiny_policy)
+    new_weights = {
+        name: value + 0.05 * torch.randn(value.shape, generator=generator)
+        for name, value in old.state_dict().items()
+    }
+    engine.load_weights(1, new_weights)
+    fresh = make_engine(tiny_policy, False)
+    fresh.load_weights(1, new_weights)
+    # Distinct prompts, each cached under version 0 (a batch with repeats could hit itself).
+    prompts = [tokenizer.encode(OBSERVATION + q, add_special_tokens=False) for q in QUESTIONS]
+    first_after = engine.generate(_requests(prompts, 0.0))
+    assert [r.cached_tokens for r in first_after] == [0] * len(prompts)
+    after = tree_waves(engine, tokenizer, temperature=0.0)
+    expected = tree_waves(fresh, tokenizer, temperature=0.0)
+    assert engine.version == 1
+    assert sum(r.cached_tokens for r in after[1] + after[2]) > 0  # version 1 caches again
+    assert [[r.token_ids for r in wave] for wave in after] == [
+        [r.token_ids for r in wave] for wave in expected
+    ]
+    for got, want in zip(after[2], expected[2], strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
+        )
+
+
+def test_counters_add_up(make_engine, tiny_policy):
+    tokenizer = load_tokenizer(tiny_policy)
+    engine = make_engine(tiny_policy, True)
+    before = engine.cache_stats()
+    prompt = tokenizer.encode(OBSERVATION * 3 + QUESTIONS[0], add_special_tokens=False)
+    prefixes = [prompt, prompt + [5, 6, 7], prompt]
+    waves = [engine.generate(_requests(prefixes, 1.0)) for _ in range(2)]
+    after = engine.cache_stats()
+    results = [r for wave in waves for r in wave]
+    for wave in waves:
+        for prefix, result in zip(prefixes, wave, strict=True):
+            assert result.prefill_tokens + result.cached_tokens == len(prefix)
+            assert result.prefill_tokens >= 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(
+        r.prefill_tokens for r in results
+    )
+    assert after["cached_tokens"] - before["cached_tokens"] == sum(r.cached_tokens for r in results)
+    assert after["lookups"] - before["lookups"] == len(results)
+    assert after["hits"] - before["hits"] == sum(r.cached_tokens > 0 for r in results)
+    assert all(r.cached_tokens > 0 for r in waves[1])
+    if isinstance(engine, HFEngine):  # token-granular: all but the last prefix token
+        assert [r.cached_tokens for r in waves[1]] == [len(p) - 1 for p in prefixes]

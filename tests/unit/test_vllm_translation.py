@@ -1,0 +1,276 @@
+"""The vLLM engine's pure translation layer: our requests -> vLLM sampling arguments, vLLM outputs
+-> GenerationResult (stop sequences, finish reasons, log-probs, prefill accounting), and the
+LoRA adapter files. Runs without vLLM: its outputs are replaced by hand-made test doubles."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from actors.engines.vllm_engine import (
+    RequestProgress,
+    first_stop_end,
+    generate_in_segments,
+    lora_identity,
+    sampled_logprobs,
+    sampling_kwargs,
+    vllm_lora_rank,
+    write_peft_adapter,
+)
+from cluster.engines import vllm_actor_options
+from treegrpo_ray.config import VLLMConfig
+from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
+from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+
+
+@dataclass
+class FakeLogprob:
+    """Stands in for ``vllm.logprobs.Logprob``."""
+
+    logprob: float
+
+
+@dataclass
+class FakeCompletionOutput:
+    """Stands in for ``vllm.outputs.CompletionOutput`` (the fields the engine reads)."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class FakeRequestOutput:
+    """Stands in for ``vllm.outputs.RequestOutput``."""
+
+    outputs: list[FakeCompletionOutput]
+    num_cached_tokens: int | None = 0
+
+
+def completion(
+    tokens: list[int], logprobs: list[float], finish: str, others: dict[int, float] | None = None
+) -> FakeCompletionOutput:
+    """A completion whose position i maps tokens[i] to logprobs[i] (plus unrelated entries)."""
+    steps = [
+        {**{k: FakeLogprob(v) for k, v in (others or {}).items()}, t: FakeLogprob(lp)}
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]
+    stop_reason = tokens[-1] if finish == "stop" else None
+    return FakeCompletionOutput(tokens, steps, finish, stop_reason)
+
+
+def request(prefix, max_new=8, stops=(), temperature=1.0, top_p=1.0, seed=None):
+    params = SamplingParams(temperature, top_p, max_new, seed)
+    return GenerationRequest(tuple(prefix), params, tuple(tuple(s) for s in stops))
+
+
+# --- request -> vllm.SamplingParams kwargs -------------------------------------------------------
+
+
+def test_sampling_kwargs_greedy_ignores_top_p_and_stops_on_last_stop_tokens():
+    params = SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=9, seed=3)
+    kwargs = sampling_kwargs(params, ((7, 9), (4,), (8, 9), ()), max_tokens=5)
+    assert kwargs == {
+        "n": 1,
+        "temperature": 0.0,
+        "top_p": 1.0,  # greedy: no nucleus
+        "top_k": 0,
+        "min_p": 0.0,
+        "seed": 3,
+        "max_tokens": 5,  # the segment's budget, not max_new_tokens
+        "stop_token_ids": [4, 9],  # last token of each non-empty stop sequence, deduplicated
+        "ignore_eos": True,
+        "logprobs": 0,  # only the sampled token's log-prob
+        "detokenize": False,
+    }
+
+
+def test_sampling_kwargs_sampled():
+    kwargs = sampling_kwargs(SamplingParams(0.7, 0.9, 16, None), (), max_tokens=16)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["seed"]) == (0.7, 0.9, None)
+    assert kwargs["stop_token_ids"] == []
+
+
+@pytest.mark.parametrize("temperature", [0.005, 2.5])
+def test_sampling_kwargs_refuses_temperatures_vllm_would_change(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_kwargs(SamplingParams(temperature=temperature), (), max_tokens=4)
+
+
+# --- stop sequences and log-probs ----------------------------------------------------------------
+
+
+def test_first_stop_end_finds_the_earliest_complete_stop_sequence():
+    stops = ((7, 9), (4,))
+    # 9 at index 1 follows 5, not 7 (no stop); (7, 9) completes at index 5; (4,) only at index 6.
+    assert first_stop_end([5, 9, 7, 8, 7, 9, 4], stops) == 6
+    assert first_stop_end([5, 9, 7, 8], stops) is None
+    assert first_stop_end([9], stops) is None  # shorter than the stop sequence
+    assert first_stop_end([4, 7, 9], stops) == 1
+    assert first_stop_end([1, 2], ()) is None
+
+
+def test_sampled_logprobs_picks_each_sampled_token():
+    out = completion([5, 6], [-0.25, -1.5], "length", others={11: -0.1, 12: -0.2})
+    assert sampled_logprobs(out.token_ids, out.logprobs) == [-0.25, -1.5]
+    with pytest.raises(RuntimeError, match="log-prob"):
+        sampled_logprobs([5], None)
+
+
+# --- vLLM segments -> GenerationResult -----------------------------------------------------------
+
+
+def absorb(progress: RequestProgress, out: FakeCompletionOutput, cached: int | None = 0) -> None:
+    tokens = out.token_ids
+    progress.absorb(tokens, sampled_logprobs(tokens, out.logprobs), out.finish_reason, cached)
+
+
+def test_stop_sequence_ends_the_request_and_is_kept():
+    p = RequestProgress(request([1, 2, 3], stops=[(7, 9)]), max_model_len=64)
+    absorb(p, completion([4, 7, 9], [-1.0, -2.0, -0.5], "stop"), cached=0)
+    result = p.result()
+    assert (result.token_ids, result.logprobs) == ([4, 7, 9], [-1.0, -2.0, -0.5])
+    assert (result.finish_reason, result.prefill_tokens, result.cached_tokens) == ("stop", 3, 0)
+    assert result.extra == {}  # one segment
+
+
+def test_false_stop_resumes_with_the_tokens_so_far():
+    # vLLM stops on 9, the last token of (7, 9); after 4 it is not the stop sequence.
+    p = RequestProgress(request([1, 2, 3], max_new=6, stops=[(7, 9)]), max_model_len=64)
+    absorb(p, completion([4, 9], [-1.0, -2.0], "stop"), cached=0)
+    assert p.finish_reason is None
+    assert p.prompt_ids() == [1, 2, 3, 4, 9]  # next segment's prompt
+    assert p.remaining() == 4  # 6 - 2 tokens already generated
+    # Second segment: 2 of its 5 prompt tokens come from the prefix cache.
+    absorb(p, completion([7, 9], [-0.5, -0.25], "stop"), cached=2)
+    result = p.result()
+    assert result.token_ids == [4, 9, 7, 9]
+    assert result.logprobs == [-1.0, -2.0, -0.5, -0.25]
+    assert result.finish_reason == "stop"
+    # The prefix was computed once (3 tokens, no hit); the resume recomputed 5 - 2 = 3 tokens.
+    assert (result.prefill_tokens, result.cached_tokens) == (3, 0)
+    assert result.extra == {"segments": 2, "resume_prefill_tokens": 3}
+
+
+def test_tokens_after_a_stop_sequence_are_cut():
+    p = RequestProgress(request([1], stops=[(7, 9)]), max_model_len=64)
+    absorb(p, completion([7, 9, 5], [-1.0, -2.0, -3.0], "length"))
+    assert (p.token_ids, p.logprobs, p.finish_reason) == ([7, 9], [-1.0, -2.0], "stop")
+
+
+def test_length_and_context_finish_reasons():
+    p = RequestProgress(request([1, 2], max_new=3), max_model_len=64)
+    absorb(p, completion([4, 5, 6], [-1.0] * 3, "length"))
+    assert p.finish_reason == "length"
+    # 4 prefix + 2 new tokens fill a 6-token context before 10 new tokens are reached.
+    p = RequestProgress(request([1, 2, 3, 4], max_new=10), max_model_len=6)
+    absorb(p, completion([5, 6], [-1.0] * 2, "length"))
+    assert p.finish_reason == "context"
+    # A stop sequence completed by the last allowed token is a stop, not a length finish.
+    p = RequestProgress(request([1], max_new=2, stops=[(7, 9)]), max_model_len=64)
+    absorb(p, completion([7, 9], [-1.0] * 2, "stop"))
+    assert p.finish_reason == "stop"
+
+
+def test_prefix_filling_the_context_finishes_before_any_segment():
+    p = RequestProgress(request([1, 2, 3, 4]), max_model_len=4)
+    result = p.result()
+    assert (result.token_ids, result.finish_reason, result.prefill_tokens) == ([], "context", 0)
+    with pytest.raises(ValueError, match="prefix"):
+        RequestProgress(request([]), max_model_len=4)
+
+
+def test_vllm_abort_is_an_error():
+    p = RequestProgress(request([1]), max_model_len=64)
+    with pytest.raises(RuntimeError, match="abort"):
+        absorb(p, completion([4], [-1.0], "abort"))
+
+
+class ScriptedLLM:
+    """``run_segments`` double: answers each prompt from a script and records the rounds."""
+
+    def __init__(self, script: dict[tuple[int, ...], tuple[FakeCompletionOutput, int]]):
+        self.script = script
+        self.rounds: list[list[tuple[tuple[int, ...], int]]] = []
+
+    def __call__(self, progress: Sequence[RequestProgress]) -> list[FakeRequestOutput]:
+        self.rounds.append([(tuple(p.prompt_ids()), p.remaining()) for p in progress])
+        return [
+            FakeRequestOutput([out], cached)
+            for out, cached in (self.script[tuple(p.prompt_ids())] for p in progress)
+        ]
+
+
+def test_generate_in_segments_reruns_only_false_stops_and_keeps_request_order():
+    llm = ScriptedLLM(
+        {
+            (1, 2): (completion([3, 9], [-0.5, -0.5], "stop"), 0),  # (8, 9) not complete
+            (1, 2, 3, 9): (completion([8, 9], [-1.0, -2.0], "stop"), 2),
+            (5,): (completion([8, 9], [-0.1, -0.2], "stop"), 0),
+        }
+    )
+    requests = [
+        request([1, 2], max_new=8, stops=[(8, 9)]),
+        request([6] * 10, stops=[(8, 9)]),  # fills the context: never sent to vLLM
+        request([5], max_new=8, stops=[(8, 9)]),
+    ]
+    progress = generate_in_segments(requests, max_model_len=10, run_segments=llm)
+    assert llm.rounds == [[((1, 2), 8), ((5,), 8)], [((1, 2, 3, 9), 6)]]
+    assert [p.segments for p in progress] == [2, 0, 1]
+    results = [p.result() for p in progress]
+    assert [r.token_ids for r in results] == [[3, 9, 8, 9], [], [8, 9]]
+    assert [r.finish_reason for r in results] == ["stop", "context", "stop"]
+    assert results[0].logprobs == [-0.5, -0.5, -1.0, -2.0]
+    assert [(r.prefill_tokens, r.cached_tokens) for r in results] == [(2, 0), (0, 0), (1, 0)]
+    assert results[0].extra == {"segments": 2, "resume_prefill_tokens": 4 - 2}
+
+
+# --- LoRA -----------------------------------------------------------------------------------------
+
+
+def test_lora_rank_and_identity():
+    assert [vllm_lora_rank(r) for r in (1, 8, 16, 20, 512)] == [1, 8, 16, 32, 512]
+    with pytest.raises(ValueError, match="512"):
+        vllm_lora_rank(513)
+    assert lora_identity(0) == ("policy-v0", 1)
+    assert lora_identity(7) == ("policy-v7", 8)
+
+
+def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path):
+    cfg = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                          intermediate_size=64, max_positions=32)  # fmt: skip
+    model = get_peft_model(
+        build_tiny_model(cfg, vocab_size=20, seed=0),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    with torch.no_grad():  # lora_B starts at zero; make the adapter non-trivial
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    payload = LoraPayload(state, model.peft_config["default"].to_dict())
+
+    directory = write_peft_adapter(payload, tmp_path / "adapter")
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    tensors = load_file(directory / "adapter_model.safetensors")
+    assert set(tensors) == set(state)
+    # the names vLLM parses: base_model.model.<module>.lora_A/B.weight
+    assert all(k.startswith("base_model.model.") and k.endswith(".weight") for k in tensors)
+    loaded = PeftModel.from_pretrained(build_tiny_model(cfg, vocab_size=20, seed=0), directory)
+    reloaded = get_peft_model_state_dict(loaded)
+    for name, tensor in state.items():
+        torch.testing.assert_close(reloaded[name], tensor, rtol=0, atol=0)
+
+
+def test_single_gpu_actor_options_reserve_one_gpu():
+    assert vllm_actor_options(VLLMConfig(), num_cpus=2) == {"num_cpus": 2, "num_gpus": 1}
