@@ -185,7 +185,6 @@ class RolloutWorker:
             prefix_ids=tuple(tree.prefix_ids(expansion.node_id)),
             params=params,
             stop_sequences=self.stop_ids,
-            cache_hint=(tree.tree_id, expansion.node_id),
         )
 
     def _add_node(

@@ -23,14 +23,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """prefix_ids: the full token prefix to continue. stop_sequences: token-id sequences that end
-    generation (included in the output). cache_hint: an opaque key of the prefix (e.g. the tree node
-    it extends) that an engine with a prefix cache may use."""
+    """prefix_ids: the full token prefix to continue (prefix caches match on these token ids, so
+    no hint about the tree node is needed). stop_sequences: token-id sequences that end generation
+    (included in the output)."""
 
     prefix_ids: tuple[int, ...]
     params: SamplingParams
     stop_sequences: tuple[tuple[int, ...], ...] = ()
-    cache_hint: Any = None
 
 
 @dataclass

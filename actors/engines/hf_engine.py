@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from actors.engines.prefix_cache import LayerKV, PrefixCache
+from actors.engines.prefix_cache import Match, PrefixCache
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
 
 
@@ -146,7 +146,7 @@ class HFEngine:
                 [attention_mask, torch.ones(len(rows), 1, dtype=torch.long)], 1
             )
             logits = self._forward(next_ids[:, None], attention_mask, positions[:, None], cache)
-        self._remember(rows, cache, attention_mask)
+        self._remember(rows, prefill.cached, cache, attention_mask)
         return [
             GenerationResult(
                 token_ids=row.token_ids,
@@ -161,7 +161,7 @@ class HFEngine:
     def _prefill(self, requests: list[GenerationRequest]) -> _Prefill:
         """Run the uncached part of every prefix (at least its last token) through the model."""
         matches = [self.cache.match(r.prefix_ids[:-1]) for r in requests]
-        cached = [length for length, _ in matches]
+        cached = [m.length for m in matches]
         new = [r.prefix_ids[c:] for r, c in zip(requests, cached, strict=True)]
         past, width = max(cached), max(len(ids) for ids in new)
         input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
@@ -174,39 +174,60 @@ class HFEngine:
             attention_mask[i, past + width - len(ids) :] = 1
             self.cache.stats.prefill_tokens += len(ids)
             self.cache.stats.cached_tokens += c
-        cache = self._past_cache([kv for _, kv in matches], past)
+        cache = self._past_cache(matches, past)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
         return _Prefill(logits, cache, attention_mask, cached)
 
-    def _past_cache(self, kvs: list[LayerKV], past: int) -> DynamicCache:
-        """A batch cache with each row's cached KV right-aligned in ``past`` slots (zeros before)."""
+    def _past_cache(self, matches: list[Match], past: int) -> DynamicCache:
+        """A batch cache with each row's cached KV right-aligned in ``past`` slots (zeros before):
+        per layer ``(B, kv_heads, past, head_dim)``."""
         if past == 0:
             return DynamicCache()
-        some = next(kv for kv in kvs if kv)
+        heads, _, dim = next(m for m in matches if m.length).pieces[0][0][0].shape
         layers = []
-        for layer, (key, _) in enumerate(some):
-            heads, _, dim = key.shape
-            shape = (len(kvs), heads, past, dim)
-            keys = torch.zeros(shape, dtype=key.dtype, device=self.device)
-            values = torch.zeros(shape, dtype=key.dtype, device=self.device)
-            for i, kv in enumerate(kvs):
-                if kv:
-                    keys[i, :, past - kv[layer][0].shape[1] :] = kv[layer][0]
-                    values[i, :, past - kv[layer][1].shape[1] :] = kv[layer][1]
+        for layer in range(self.model.config.num_hidden_layers):
+            shape = (len(matches), heads, past, dim)
+            keys = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+            values = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+            for i, match in enumerate(matches):
+                at = past - match.length
+                for piece in match.pieces:
+                    key, value = piece[layer]
+                    keys[i, :, at : at + key.shape[1]] = key
+                    values[i, :, at : at + key.shape[1]] = value
+                    at += key.shape[1]
             layers.append((keys, values))
         return DynamicCache(ddp_cache_data=layers)
 
     def _remember(
-        self, rows: list[_Row], cache: DynamicCache, attention_mask: torch.Tensor
+        self, rows: list[_Row], cached: list[int], cache: DynamicCache, attention_mask: torch.Tensor
     ) -> None:
-        """Insert each row's prefix + fed tokens with their KV (the real slots of its row)."""
+        """Insert each row's prefix + fed tokens; only the KV past its cached part is gathered,
+        from the row's real (unmasked) slots, in one gather per layer."""
         if not self.cache.enabled:
             return
-        for i, row in enumerate(rows):
-            ids = row.request.prefix_ids + tuple(row.token_ids[:-1])
-            slots = attention_mask[i].nonzero().squeeze(-1)[: len(ids)].to(self.device)
-            kv = [(layer.keys[i][:, slots], layer.values[i][:, slots]) for layer in cache.layers]
-            self.cache.insert(ids, kv)
+        ids = [row.request.prefix_ids + tuple(row.token_ids[:-1]) for row in rows]
+        slots = [
+            mask.nonzero().squeeze(-1)[c : len(row_ids)]
+            for mask, c, row_ids in zip(attention_mask, cached, ids, strict=True)
+        ]
+        longest = max(len(s) for s in slots)
+        if longest == 0:
+            return
+        index = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row_slots in enumerate(slots):
+            index[i, : len(row_slots)] = row_slots
+        new_kv = [self._gather(layer, index.to(self.device)) for layer in cache.layers]
+        for i, (row_ids, c, row_slots) in enumerate(zip(ids, cached, slots, strict=True)):
+            kv = [(k[i, :, : len(row_slots)], v[i, :, : len(row_slots)]) for k, v in new_kv]
+            self.cache.insert(row_ids, kv, start=c)
+
+    @staticmethod
+    def _gather(layer: Any, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``index`` (B, S) slots of each row: (B, kv_heads, S, head_dim)."""
+        batch, heads, _, dim = layer.keys.shape
+        expanded = index[:, None, :, None].expand(batch, heads, index.shape[1], dim)
+        return layer.keys.gather(2, expanded), layer.values.gather(2, expanded)
 
     def _forward(
         self,

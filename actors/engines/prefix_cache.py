@@ -48,6 +48,15 @@ class CacheStats:
         return {**vars(self), "hit_rate": hit_rate}
 
 
+@dataclass
+class Match:
+    """The longest cached prefix of a lookup: ``length`` tokens whose KV is the concatenation of
+    ``pieces`` along the token axis (one ``LayerKV`` of views per radix edge, in order)."""
+
+    length: int = 0
+    pieces: list[LayerKV] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class _Node:
     """An edge of the radix tree: ``tokens`` and their KV; children keyed by their first token."""
@@ -108,54 +117,48 @@ class PrefixCache:
         self.stats.bytes = 0
         self.version = version
 
-    def match(self, ids: tuple[int, ...]) -> tuple[int, LayerKV]:
-        """Longest cached prefix of ``ids``: its length and KV (``(kv_heads, length, head_dim)``
-        per layer; an empty list when nothing matched). Counts the lookup."""
+    def match(self, ids: tuple[int, ...]) -> Match:
+        """Longest cached prefix of ``ids`` (counts the lookup)."""
         self.stats.lookups += 1
-        node, pieces, matched = self._root, [], 0
-        while self.enabled and matched < len(ids):
-            child = node.children.get(ids[matched])
+        node, found = self._root, Match()
+        while self.enabled and found.length < len(ids):
+            child = node.children.get(ids[found.length])
             if child is None:
                 break
-            common = _common_length(child.tokens, ids[matched:])
+            common = _common_length(child.tokens, ids[found.length :])
             child.last_used = next(self._clock)
-            pieces.append([(k[:, :common], v[:, :common]) for k, v in child.kv])
-            matched += common
+            found.pieces.append([(k[:, :common], v[:, :common]) for k, v in child.kv])
+            found.length += common
             if common < len(child.tokens):
                 break
             node = child
-        if not matched:
-            return 0, []
-        self.stats.hits += 1
-        kv = [
-            (
-                torch.cat([p[layer][0] for p in pieces], 1),
-                torch.cat([p[layer][1] for p in pieces], 1),
-            )
-            for layer in range(len(pieces[0]))
-        ]
-        return matched, kv
+        self.stats.hits += int(found.length > 0)
+        return found
 
-    def insert(self, ids: tuple[int, ...], kv: LayerKV) -> None:
-        """Remember the KV of ``ids`` (``(kv_heads, len(ids), head_dim)`` per layer)."""
-        if not self.enabled or not ids:
+    def insert(self, ids: tuple[int, ...], kv: LayerKV, start: int = 0) -> None:
+        """Remember the KV of ``ids[start:]`` (``(kv_heads, len(ids) - start, head_dim)`` per
+        layer); ``ids[:start]`` must be cached already (else nothing is inserted: it was evicted)."""
+        if not self.enabled:
             return
-        node, start = self._root, 0
-        while start < len(ids):
-            child = node.children.get(ids[start])
+        node, at = self._root, 0
+        while at < len(ids):
+            child = node.children.get(ids[at])
             if child is None:
-                self._add_leaf(node, ids, kv, start)
+                if at >= start:
+                    self._add_leaf(
+                        node, ids[at:], [(k[:, at - start :], v[:, at - start :]) for k, v in kv]
+                    )
                 return
-            common = _common_length(child.tokens, ids[start:])
+            common = _common_length(child.tokens, ids[at:])
             if common < len(child.tokens):
                 child.split(common)
             child.last_used = next(self._clock)
-            node, start = child, start + common
+            node, at = child, at + common
 
-    def _add_leaf(self, parent: _Node, ids: tuple[int, ...], kv: LayerKV, start: int) -> None:
+    def _add_leaf(self, parent: _Node, tokens: tuple[int, ...], kv: LayerKV) -> None:
         leaf = _Node(
-            ids[start:],
-            [(k[:, start:].clone(), v[:, start:].clone()) for k, v in kv],
+            tokens,
+            [(k.clone(), v.clone()) for k, v in kv],
             parent=parent,
             last_used=next(self._clock),
         )
