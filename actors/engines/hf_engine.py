@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from actors.engines.prefix_cache import Match, PrefixCache
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -92,11 +92,37 @@ class HFEngine:
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
 
-    def load_weights(self, version: int, payload: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict as policy ``version``; the prefix cache starts empty."""
-        self.model.load_state_dict(payload)
+    def load_weights(self, version: int, payload: dict[str, torch.Tensor] | LoraPayload) -> None:
+        """Switch to policy ``version``: a full state dict, or a LoRA adapter applied to the
+        weights the engine started with. The prefix cache starts empty."""
+        if isinstance(payload, LoraPayload):
+            self._load_adapter(payload)
+        else:
+            self._drop_adapter()
+            self.model.load_state_dict(payload)
         self.version = version
         self.cache.reset(version)
+
+    def _load_adapter(self, payload: LoraPayload) -> None:
+        """Wrap the model with the adapter's LoRA layers (once) and load its tensors; the adapter
+        is merged into the weights so decoding costs what the plain model costs."""
+        from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+
+        if isinstance(self.model, PeftModel):
+            self.model.unmerge_adapter()
+        else:
+            config = LoraConfig.from_peft_type(**payload.peft_config)
+            self.model = get_peft_model(self.model, config).eval()
+        set_peft_model_state_dict(self.model, payload.adapter_state)
+        self.model.merge_adapter()
+
+    def _drop_adapter(self) -> None:
+        """Back to the plain model (a full state dict replaces the whole policy)."""
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            self.model.unmerge_adapter()
+            self.model = self.model.unload()
 
     def cache_stats(self) -> dict[str, float]:
         """Prefill / cache counters since start (see ``CacheStats``)."""

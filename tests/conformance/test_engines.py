@@ -19,7 +19,13 @@ import torch
 
 from actors.engines.hf_engine import HFEngine
 from treegrpo_ray.config import VLLMConfig
-from treegrpo_ray.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.engine import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    LoraPayload,
+    SamplingParams,
+)
 from treegrpo_ray.modeling import load_policy, load_tokenizer
 
 CACHE_BYTES = 64 * 2**20
@@ -44,7 +50,7 @@ def _vllm(path: str, prefix_cache: bool) -> Engine:
     from actors.engines.vllm_engine import VLLMEngine
 
     settings = VLLMConfig(dtype="float32", gpu_memory_utilization=0.3)
-    return VLLMEngine(path, settings, seed=0, prefix_cache=prefix_cache)
+    return VLLMEngine(path, settings, seed=0, prefix_cache=prefix_cache, enable_lora=True)
 
 
 NO_CUDA = not torch.cuda.is_available()
@@ -214,3 +220,31 @@ def test_counters_add_up(make_engine, tiny_policy):
     assert all(r.cached_tokens > 0 for r in waves[1])
     if isinstance(engine, HFEngine):  # token-granular: all but the last prefix token
         assert [r.cached_tokens for r in waves[1]] == [len(p) - 1 for p in prefixes]
+
+
+def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, tiny_policy):
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    tokenizer = load_tokenizer(tiny_policy)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(load_policy(tiny_policy)[0], config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    adapter = LoraPayload(get_peft_model_state_dict(peft_model), config.to_dict())
+    merged = peft_model.merge_and_unload().state_dict()
+
+    engine = make_engine(tiny_policy, True)
+    tree_waves(engine, tokenizer, temperature=1.0)  # fills the cache under the base policy
+    engine.load_weights(1, adapter)
+    reference = make_engine(tiny_policy, False)
+    reference.load_weights(1, merged)
+    got = tree_waves(engine, tokenizer, temperature=0.0)
+    want = tree_waves(reference, tokenizer, temperature=0.0)
+    assert [[r.token_ids for r in w] for w in got] == [[r.token_ids for r in w] for w in want]
+    for got_result, want_result in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got_result.logprobs), torch.tensor(want_result.logprobs), atol=1e-5, rtol=0
+        )
