@@ -11,17 +11,19 @@ import copy
 import json
 import random
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from treegrpo_ray.advantage import chain_grpo_advantages, tree_grpo_advantages
+from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
 from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import PPOConfig
-from treegrpo_ray.loss import ppo_loss
-from treegrpo_ray.metrics import budget_metrics, timed, tree_metrics
+from treegrpo_ray.loss import routed_ppo_loss
+from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
 from treegrpo_ray.modeling import load_policy
-from treegrpo_ray.packing import PathBatch, expand_paths
+from treegrpo_ray.packing import PackedBatch, pack_trees
 from treegrpo_ray.tree import Tree, arrow_metadata, trees_from_arrow
 
 
@@ -31,7 +33,8 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each next token and the entropy of each next-token distribution.
+    """Log-prob of each next token and the entropy of each next-token distribution, on a
+    path-expanded batch (the reference layout, ``packing.expand_paths``).
 
     input_ids, attention_mask: (B, T). Returns ``(logprobs, entropy)``, both (B, T-1), under
     ``softmax(logits / temperature)`` (the distribution the rollout sampled from).
@@ -43,11 +46,69 @@ def token_logprobs(
     return logprobs, entropy
 
 
+def packed_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, row: int, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each action token of packed ``row`` given its own path, and the entropy of the
+    distribution it was drawn from, in one forward of the row's real tokens with the tree mask.
+
+    Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
+    those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,), 0 off
+    action tokens, under ``softmax(logits / temperature)``. The model must use ``sdpa`` or
+    ``eager`` attention (see ``treegrpo_ray.packing``).
+    """
+    attention = model.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(
+            f"packed training needs sdpa or eager attention (a dense 4D tree mask), the model uses "
+            f"{attention}; load it with attn_implementation='sdpa'"
+        )
+    n = batch.row_length(row)
+    input_ids = batch.input_ids[row, :n]
+    (pos,) = batch.loss_mask[row].nonzero(as_tuple=True)
+    # logits only where an action token is predicted (a branch point predicts several)
+    predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
+    logits = model(
+        input_ids=input_ids[None],
+        attention_mask=batch.attention_bias(row, next(model.parameters()).dtype),
+        position_ids=batch.position_ids[row, None, :n],
+        use_cache=False,
+        logits_to_keep=predictors,
+    ).logits[0]
+    log_probs = torch.log_softmax(logits[which].float() / temperature, -1)
+    action_logprobs = log_probs.gather(-1, input_ids[pos, None]).squeeze(-1)
+    action_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    width = batch.input_ids.shape[1]
+    logprobs = torch.zeros(width).index_put((pos,), action_logprobs)
+    entropy = torch.zeros(width).index_put((pos,), action_entropy)
+    return logprobs, entropy
+
+
+@dataclass
+class Minibatch:
+    """The trees of one optimizer step, packed, with what the loss needs per token (R, T)."""
+
+    batch: PackedBatch
+    routed: RoutedAdvantages
+    ref_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None  # None: the training forward's own, detached
+
+    @property
+    def denominator(self) -> float:
+        """Token count of the token-mean: path-expanded action tokens in ``paper`` mode."""
+        return max(float((self.batch.loss_mask * self.routed.weights).sum()), 1.0)
+
+
 class Learner:
-    """Routed PPO on path-expanded trees with a frozen reference copy of the initial policy.
+    """Routed PPO on tree-packed batches with a frozen reference copy of the initial policy.
 
     temperature: the rollout temperature (log-probs are computed under the same distribution).
     advantage: ``tree`` (intra + inter, paper) or ``chain`` (prompt-level GRPO over all leaves).
+    Each optimizer step takes one minibatch of whole trees, packed into rows of at most
+    ``ppo.micro_batch_tokens`` tokens; every row is one forward and backward, its loss divided by
+    the minibatch's token count, so the accumulated gradient is the full-minibatch one. Trees are
+    split into ``ppo.minibatches`` minibatches once per update; each epoch visits them in a new
+    order. With one minibatch, ``paper`` mode gives exactly the path-expanded update.
     """
 
     def __init__(
@@ -69,86 +130,104 @@ class Learner:
         self.rng = random.Random(seed)
         self.version = 0
 
-    def advantages(self, batch: PathBatch) -> torch.Tensor:
-        """Per-leaf advantages (B,) by the configured estimator."""
+    def advantages(
+        self, rewards: torch.Tensor, tree_ids: torch.Tensor, group_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-leaf advantages (L,) by the configured estimator; inputs (L,)."""
         if self.advantage == "chain":
-            return chain_grpo_advantages(batch.rewards, batch.group_ids)
-        return tree_grpo_advantages(batch.rewards, batch.tree_ids, batch.group_ids)
+            return chain_grpo_advantages(rewards, group_ids)
+        return tree_grpo_advantages(rewards, tree_ids, group_ids)
 
     def update(self, trees: list[Tree]) -> dict[str, float]:
         """One PPO update (``epochs`` x ``minibatches`` optimizer steps) on a batch of trees."""
         metrics: dict[str, float] = tree_metrics(trees)
         with timed(metrics, "pack"):
-            batch = expand_paths(trees, self.tokenizer.pad_token_id)
-            advantages = self.advantages(batch)
-        with timed(metrics, "ref_logprobs"), torch.no_grad():
-            ref_logprobs, _ = token_logprobs(
-                self.ref_model, batch.input_ids, batch.attention_mask, self.temperature
+            batches = [
+                pack_trees(chunk, self.ppo.micro_batch_tokens, self.tokenizer.pad_token_id)
+                for chunk in self._split(trees)
+            ]
+            advantages = self.advantages(
+                torch.cat([b.rewards for b in batches]),
+                torch.cat([b.tree_ids for b in batches]),
+                torch.cat([b.group_ids for b in batches]),
             )
+            routed = [
+                b.route(a, self.ppo.loss_mode)
+                for b, a in zip(
+                    batches, advantages.split([len(b.rewards) for b in batches]), strict=True
+                )
+            ]
+        with timed(metrics, "ref_logprobs"):
+            ref = [self._no_grad_logprobs(self.ref_model, b) for b in batches]
         with timed(metrics, "old_logprobs"):
-            old_logprobs = self._old_logprobs(batch)
+            old = [self._old_logprobs(b, len(batches)) for b in batches]
+        minibatches = [Minibatch(*parts) for parts in zip(batches, routed, ref, old, strict=True)]
+        steps = self.ppo.epochs * len(minibatches)
         with timed(metrics, "optimize"):
-            for stats in self._optimize(batch, advantages, old_logprobs, ref_logprobs):
+            for stats in self._optimize(minibatches):
                 for key, value in stats.items():
-                    metrics[key] = metrics.get(key, 0.0) + value / self._steps_per_update
+                    metrics[key] = metrics.get(key, 0.0) + value / steps
         self.version += 1
         metrics["learner/policy_version"] = float(self.version)
-        metrics["learner/tokens"] = float(batch.attention_mask.sum())
+        # each row is forwarded without its padding: every unique token once per forward
+        metrics["learner/tokens"] = float(sum(b.token_mask.sum() for b in batches))
+        metrics["learner/tokens_forwarded"] = metrics["learner/tokens"]
+        metrics["learner/path_tokens"] = float(sum(b.path_tokens for b in batches))
         metrics["learner/advantage_abs_mean"] = float(advantages.abs().mean())
         return metrics
 
-    @property
-    def _steps_per_update(self) -> int:
-        return self.ppo.epochs * self.ppo.minibatches
+    def _split(self, trees: list[Tree]) -> list[list[Tree]]:
+        """``ppo.minibatches`` shuffled groups of whole trees (fewer when trees are fewer)."""
+        order = list(trees)
+        self.rng.shuffle(order)
+        groups = [order[i :: self.ppo.minibatches] for i in range(self.ppo.minibatches)]
+        return [group for group in groups if group]
 
     @torch.no_grad()
-    def _old_logprobs(self, batch: PathBatch) -> torch.Tensor | None:
-        """Log-probs (B, T-1) the ratio is taken against, or None when they are the current
+    def _no_grad_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        """Action-token log-probs (R, T) of ``model`` on every row of ``batch``."""
+        rows = range(batch.num_rows)
+        return torch.stack([packed_logprobs(model, batch, r, self.temperature)[0] for r in rows])
+
+    def _old_logprobs(self, batch: PackedBatch, minibatches: int) -> torch.Tensor | None:
+        """Log-probs (R, T) the ratio is taken against, or None when they are the current
         policy's own: with one optimizer step per update, recomputing them before the step gives
         exactly the training forward's values, so that forward is reused instead."""
         if self.ppo.use_engine_logprobs:
             return batch.behaviour_logprobs
-        if self._steps_per_update == 1:
+        if self.ppo.epochs * minibatches == 1:
             return None
-        logprobs, _ = token_logprobs(
-            self.model, batch.input_ids, batch.attention_mask, self.temperature
-        )
-        return logprobs
+        return self._no_grad_logprobs(self.model, batch)
 
-    def _optimize(
-        self,
-        batch: PathBatch,
-        advantages: torch.Tensor,
-        old_logprobs: torch.Tensor | None,
-        ref_logprobs: torch.Tensor,
-    ):
-        """Yield the statistics of each optimizer step over shuffled minibatches of rows."""
+    def _optimize(self, minibatches: list[Minibatch]) -> Iterator[dict[str, float]]:
+        """Yield the statistics of each optimizer step: per epoch, every minibatch in a new
+        order, its rows forwarded and back-propagated one at a time (gradient accumulation)."""
         coef = self.ppo.coefficients()
         for _ in range(self.ppo.epochs):
-            order = list(range(len(batch)))
-            self.rng.shuffle(order)
-            for rows in torch.tensor(order).chunk(self.ppo.minibatches):
-                mb = batch.select(rows)
-                logprobs, entropy = token_logprobs(
-                    self.model, mb.input_ids, mb.attention_mask, self.temperature
-                )
-                token_advantages = advantages[rows, None].expand_as(mb.loss_mask)
-                loss, stats = ppo_loss(
-                    logprobs,
-                    logprobs.detach() if old_logprobs is None else old_logprobs[rows],
-                    ref_logprobs[rows],
-                    entropy,
-                    token_advantages,
-                    mb.loss_mask,
-                    coef,
-                )
+            for mb in self.rng.sample(minibatches, len(minibatches)):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                stats: dict[str, float] = {}
+                for r in range(mb.batch.num_rows):
+                    logprobs, entropy = packed_logprobs(self.model, mb.batch, r, self.temperature)
+                    loss, row_stats = routed_ppo_loss(
+                        logprobs,
+                        logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs[r],
+                        mb.ref_logprobs[r],
+                        entropy,
+                        mb.routed.row(r),
+                        mb.batch.loss_mask[r],
+                        mb.denominator,
+                        coef,
+                    )
+                    loss.backward()
+                    row_stats["learner/loss"] = loss.item()
+                    for key, value in row_stats.items():
+                        stats[key] = stats.get(key, 0.0) + value
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), self.ppo.grad_clip
                 )
                 self.optimizer.step()
-                yield {**stats, "learner/loss": loss.item(), "learner/grad_norm": float(grad_norm)}
+                yield {**stats, "learner/grad_norm": float(grad_norm)}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Detached CPU copy of the policy weights, as rollout engines load them."""
@@ -189,6 +268,7 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
             budget.add(Budget(**counts))
         metrics["rollout/seconds"] += meta["rollout_seconds"]
     metrics.update(budget_metrics(budget, len(groups)))
+    metrics.update(prefix_cache_metrics(budget))
     metrics["rollout/tokens_per_s"] = budget.generated_tokens / max(
         metrics["rollout/seconds"], 1e-9
     )

@@ -4,9 +4,15 @@ Tree-GRPO: ``A = (R - mean_tree) / (std_tree + eps) + (R - mean_prompt) / (std_p
 Statistics use the unbiased std (``torch.std`` default) and ``eps = 1e-6`` as the reference code.
 A group with a single leaf contributes 0 (deliberate deviation: the paper's code uses mean 0 / std 1,
 i.e. the raw reward; with 0 a one-leaf tree adds nothing and Tree-GRPO with N = 0 equals chain GRPO).
+
+``route_to_nodes`` hands the leaf advantages to the nodes above them, for the routed per-node loss
+of packed trees (``loss.routed_ppo_loss``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -43,3 +49,54 @@ def tree_grpo_advantages(
     rewards, tree_ids, group_ids: (L,) over the leaves of a batch. Returns (L,).
     """
     return group_normalized(rewards, tree_ids) + group_normalized(rewards, group_ids)
+
+
+@dataclass
+class RoutedAdvantages:
+    """Leaf advantages routed to nodes (``(..., N)``) or to packed tokens (``(..., R, T)``).
+
+    advantages: (K, ...) the K advantage parts each token's loss is summed over.
+    leaves: (K, ...) how many leaves stand behind each part (they weigh the clip fraction).
+    weights: (...) how many times the token counts in the token-mean (KL, entropy, denominator).
+
+    ``paper`` mode: K = 2, the positive mass ``sum(max(A, 0))`` and the negative mass
+    ``sum(min(A, 0))`` over the leaves below the node, with the counts of positive and negative
+    leaves, and weight = number of leaves below. The dual-clipped PPO term is positively
+    homogeneous in A on each sign (``pg(ρ, a·A) = a·pg(ρ, A)`` for ``a >= 0``), so the sum of
+    ``pg(ρ, A_leaf)`` over the leaves below equals ``pg(ρ, positive) + pg(ρ, negative)``: with this
+    routing the packed loss equals the path-expanded one exactly.
+    ``mean`` mode: K = 1, the mean advantage of the leaves below, weight 1 (0 for a node with no
+    leaf below, which no path holds).
+    """
+
+    advantages: torch.Tensor
+    leaves: torch.Tensor
+    weights: torch.Tensor
+
+    def row(self, row: int) -> RoutedAdvantages:
+        """One packed row of a token-level routing: (K, T), (K, T), (T,)."""
+        return RoutedAdvantages(self.advantages[:, row], self.leaves[:, row], self.weights[row])
+
+
+def route_to_nodes(
+    leaf_advantages: torch.Tensor, node_leaves: torch.Tensor, mode: Literal["paper", "mean"]
+) -> RoutedAdvantages:
+    """Per-node advantage parts (see ``RoutedAdvantages``).
+
+    leaf_advantages: (L,); node_leaves: (N, L), 1 where leaf l is node n or lies below it.
+    Returns advantages and leaves (K, N), weights (N,).
+    """
+    below = node_leaves.sum(-1)
+    if mode == "paper":
+        signs = torch.stack([leaf_advantages > 0, leaf_advantages < 0]).float()
+        return RoutedAdvantages(
+            advantages=(signs * leaf_advantages) @ node_leaves.T,
+            leaves=signs @ node_leaves.T,
+            weights=below,
+        )
+    on_a_path = (below > 0).float()
+    return RoutedAdvantages(
+        advantages=(node_leaves @ leaf_advantages / below.clamp(min=1))[None],
+        leaves=on_a_path[None],
+        weights=on_a_path,
+    )

@@ -114,6 +114,19 @@ class PPOConfig(_Section):
         False,
         description="Use the rollout engine's log-probs as old log-probs instead of recomputing.",
     )
+    loss_mode: Literal["paper", "mean"] = Field(
+        "paper",
+        description="paper: each node carries the advantage mass of the leaves below it, so the "
+        "loss equals the path-expanded token-mean of the reference code; mean: each unique action "
+        "token counts once, with the mean advantage of the leaves below its node.",
+    )
+    micro_batch_tokens: int = Field(
+        1024,
+        gt=0,
+        description="Most unique tokens in one packed row (one forward + backward); whole trees "
+        "only, so at least the largest tree's token count. Attention in a row costs its length "
+        "squared, trees in one row included: on CPU, rows of one or two trees are fastest.",
+    )
 
     def coefficients(self) -> PPOCoefficients:
         return PPOCoefficients(self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef)

@@ -1,8 +1,12 @@
 """PPO policy loss with dual clip, k3 KL to the reference policy and an entropy bonus.
 
-Every tensor below is (B, T) over response positions; ``loss_mask`` is 1 on action tokens and 0 on
+Every tensor below is (B, T) over token positions; ``loss_mask`` is 1 on action tokens and 0 on
 prompt, observation and padding tokens, so observation tokens never enter the loss. Aggregation is
 token-mean: the sum over all masked tokens of the batch divided by their count.
+
+``ppo_loss`` is the loss of the path-expanded batch (one row per leaf, the reference layout);
+``routed_ppo_loss`` is the same loss on packed trees with advantages routed to nodes
+(``advantage.route_to_nodes``), each unique token forwarded once.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from treegrpo_ray.advantage import RoutedAdvantages
 
 
 @dataclass(frozen=True)
@@ -84,5 +90,47 @@ def ppo_loss(
         "learner/entropy": entropy_mean.item(),
         "learner/pg_clipfrac": masked_mean(clipped, loss_mask).item(),
         "learner/approx_kl_old": masked_mean(old_logprobs - logprobs, loss_mask).item(),
+    }
+    return loss, stats
+
+
+def routed_ppo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    routed: RoutedAdvantages,
+    loss_mask: torch.Tensor,
+    denominator: float,
+    coef: PPOCoefficients,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``pg + kl_coef·KL - entropy_coef·H`` of packed tokens, summed and divided by
+    ``denominator``, and its parts (for metrics).
+
+    logprobs, old_logprobs, ref_logprobs, entropy, loss_mask: one packed row (T,) or rows (R, T);
+    ``routed`` holds the routing of the same tokens (advantages and leaves (K, ...), weights
+    (...), see ``PackedBatch.route``). A token's pg term is the sum over its
+    advantage parts, its KL and entropy terms count ``routed.weights`` times. ``denominator`` is
+    ``sum(loss_mask * routed.weights)`` over the whole batch, so that the losses (and the
+    statistics) of its micro-batches add up to the full-batch token-mean; in ``paper`` mode that is
+    the path-expanded action-token count and the result equals ``ppo_loss`` on the expanded paths.
+    """
+    pg, clipped = dual_clip_pg_losses(
+        logprobs, old_logprobs, routed.advantages, coef.clip_ratio, coef.dual_clip
+    )
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return (values * loss_mask).sum() / denominator
+
+    pg_loss = total(pg.sum(0))
+    kl_loss = total(k3_kl(logprobs, ref_logprobs) * routed.weights)
+    entropy_mean = total(entropy * routed.weights)
+    loss = pg_loss + coef.kl_coef * kl_loss - coef.entropy_coef * entropy_mean
+    stats = {
+        "learner/pg_loss": pg_loss.item(),
+        "learner/kl": kl_loss.item(),
+        "learner/entropy": entropy_mean.item(),
+        "learner/pg_clipfrac": total((clipped * routed.leaves).sum(0)).item(),
+        "learner/approx_kl_old": total((old_logprobs - logprobs) * routed.weights).item(),
     }
     return loss, stats

@@ -48,3 +48,14 @@ def budget_metrics(budget: Budget, groups: int) -> dict[str, float]:
     out = {f"budget/{k}": float(v) for k, v in budget.to_dict().items()}
     out.update({f"budget/{k}_per_prompt": v / max(groups, 1) for k, v in budget.to_dict().items()})
     return out
+
+
+def prefix_cache_metrics(budget: Budget) -> dict[str, float]:
+    """``rollout/...`` prefix work of a batch: tokens computed, tokens served from the cache, and
+    the token hit rate cached / (cached + computed) (vLLM's definition of prefix-cache hit rate)."""
+    looked_up = budget.prefill_tokens + budget.cached_tokens
+    return {
+        "rollout/prefill_tokens": float(budget.prefill_tokens),
+        "rollout/cached_tokens": float(budget.cached_tokens),
+        "rollout/cache_hit_rate": budget.cached_tokens / looked_up if looked_up else 0.0,
+    }

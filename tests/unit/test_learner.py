@@ -1,5 +1,8 @@
 """The learner in-process: a PPO update on real trees from the tiny policy."""
 
+import math
+
+import pytest
 import torch
 
 from actors.rollout_worker import Lease, RolloutWorker
@@ -25,6 +28,35 @@ def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, tiny
     # the reference policy stays frozen at the starting weights
     for name, param in learner.ref_model.named_parameters():
         assert torch.equal(param, before[name])
+
+
+def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
+    """Rows of a few trees with gradient accumulation give the gradient of one big row."""
+    trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    results = []
+    for budget in (4096, 400):  # a tree of this preset has at most ~350 tokens
+        ppo = tiny_cfg.ppo.model_copy(update={"micro_batch_tokens": budget})
+        learner = Learner(tiny_policy, ppo, temperature=1.0)
+        metrics = learner.update(trees)
+        results.append((metrics, {k: v.grad for k, v in learner.model.named_parameters()}))
+    (big, big_grads), (small, small_grads) = results
+    # padding is never forwarded: each unique token once, whatever the rows
+    assert small["learner/tokens_forwarded"] == big["learner/tokens_forwarded"]
+    assert big["learner/tokens_forwarded"] < big["learner/path_tokens"]
+    assert small["learner/loss"] == pytest.approx(big["learner/loss"], abs=1e-5)
+    for name, grad in big_grads.items():
+        torch.testing.assert_close(small_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"epochs": 2, "minibatches": 2}, {"use_engine_logprobs": True}, {"loss_mode": "mean"}],
+)
+def test_update_variants_give_finite_metrics(tiny_cfg, tiny_policy, overrides):
+    learner = Learner(tiny_policy, tiny_cfg.ppo.model_copy(update=overrides), temperature=1.0)
+    metrics = learner.update(_trees(tiny_cfg, tiny_policy, prompts=4))
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["learner/policy_version"] == 1.0 and metrics["learner/grad_norm"] > 0
 
 
 def test_engine_logprobs_match_the_learner_recomputation(tiny_cfg, tiny_policy):
@@ -68,7 +100,12 @@ def _table(version, group_ids):
             reward=1.0,
         )
         trees.append(tree)
-    budgets = {str(g): {"generated_tokens": 1, "tool_calls": 0, "leaves": 1} for g in group_ids}
+    budgets = {
+        str(g): {"generated_tokens": 1, "tool_calls": 0, "leaves": 1, "prefill_tokens": 1 + g}
+        for g in group_ids
+    }
+    for g in group_ids:
+        budgets[str(g)]["cached_tokens"] = 3
     meta = {"policy_version": version, "budgets": budgets, "rollout_seconds": 0.5}
     return trees_to_arrow(trees, meta)
 
@@ -83,4 +120,8 @@ def test_pull_batch_refuses_trees_older_than_the_lag():
     assert metrics["tree/dropped_stale"] == 2
     assert metrics["budget/generated_tokens"] == 4
     assert metrics["rollout/seconds"] == 1.0
+    # prefix work of the kept groups 2..5: computed 3+4+5+6, served from the cache 4 x 3
+    assert metrics["rollout/prefill_tokens"] == 18
+    assert metrics["rollout/cached_tokens"] == 12
+    assert metrics["rollout/cache_hit_rate"] == 12 / 30
     assert queue.tables == []
