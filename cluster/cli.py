@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.errors import TrainingStopped, UserInputError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"treegrpo: error: {err}", file=sys.stderr)
         return 2
+    except TrainingStopped as err:
+        print(f"treegrpo: training stopped: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class Controller:
         self.records: list[dict[str, Any]] = []
         self.log = MetricsLog(cfg.run_dir)
         self.stopped = False
+        self.failure: str | None = None
         self.evals: dict[str, float] = {}
 
     def get_queue(self) -> TreeQueue:
@@ -198,6 +199,14 @@ class Controller:
             "steps": len(self.records),
             "rollout/worker_versions": self.worker_versions(),
         }
+
+    def abort(self, reason: str) -> None:
+        """The learner stopped the run (``reason`` says why and what it saved)."""
+        self.failure = reason
+        self.stop()
+
+    def failure_reason(self) -> str | None:
+        return self.failure
 
     def stop(self) -> None:
         with self.changed:

@@ -26,7 +26,7 @@ from cluster.controller import Controller
 from learners.learner import train_loop_per_worker
 from learners.warmstart import warm_start
 from treegrpo_ray.config import RunConfig
-from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.modeling import check_policy_dir
 
 
@@ -146,6 +146,9 @@ def train(cfg: RunConfig, progress: bool = True, overwrite: bool = False) -> dic
         fit_thread.join()
         if "error" in outcome:
             raise outcome["error"]
+        failure = ray.get(controller.failure_reason.remote())
+        if failure:
+            raise TrainingStopped(failure)
         ray.get(production)
         summary = ray.get(controller.summary.remote())
     finally:

@@ -19,8 +19,10 @@ import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
 from treegrpo_ray.budget import Budget
-from treegrpo_ray.config import PPOConfig
-from treegrpo_ray.loss import routed_ppo_loss
+from treegrpo_ray.config import LoraSettings, PPOConfig
+from treegrpo_ray.engine import LoraPayload
+from treegrpo_ray.errors import TrainingStopped
+from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss
 from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.packing import PackedBatch, pack_trees
@@ -99,6 +101,22 @@ class Minibatch:
         return max(float((self.batch.loss_mask * self.routed.weights).sum()), 1.0)
 
 
+def with_lora_adapter(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
+    """``model`` wrapped by peft with a fresh LoRA adapter; only the adapter is trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+    )
+    return get_peft_model(model, config)
+
+
+NONFINITE_LIMIT = 3  # skipped (non-finite) updates in a row that stop a run
+
+
 class Learner:
     """Routed PPO on tree-packed batches with a frozen reference copy of the initial policy.
 
@@ -118,17 +136,28 @@ class Learner:
         temperature: float,
         advantage: str = "tree",
         seed: int = 0,
+        lora: LoraSettings | None = None,
     ):
         torch.manual_seed(seed)
         self.model, self.tokenizer = load_policy(model_path)
+        self.lora = lora is not None and lora.enabled
+        self.ref_model: torch.nn.Module | None = None
+        if lora is not None and lora.enabled:
+            self.model = with_lora_adapter(self.model, lora)
+        else:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.model.train()
-        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=ppo.lr)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(trainable, lr=ppo.lr)
         self.ppo = ppo
         self.temperature = temperature
         self.advantage = advantage
+        self.modifiers = ppo.modifiers.node_modifiers(ppo.kl_coef, ppo.entropy_coef)
+        self.reward_norm = ppo.modifiers.reward_normalizer()  # running state: checkpoint it
         self.rng = random.Random(seed)
         self.version = 0
+        self.skipped_updates = 0
+        self.skipped_in_a_row = 0
 
     def advantages(
         self, rewards: torch.Tensor, tree_ids: torch.Tensor, group_ids: torch.Tensor
@@ -146,19 +175,22 @@ class Learner:
                 pack_trees(chunk, self.ppo.micro_batch_tokens, self.tokenizer.pad_token_id)
                 for chunk in self._split(trees)
             ]
+            rewards = torch.cat([b.rewards for b in batches])
+            if self.reward_norm is not None:
+                rewards = self.reward_norm(rewards, torch.cat([b.leaf_depths for b in batches]))
             advantages = self.advantages(
-                torch.cat([b.rewards for b in batches]),
+                rewards,
                 torch.cat([b.tree_ids for b in batches]),
                 torch.cat([b.group_ids for b in batches]),
             )
             routed = [
-                b.route(a, self.ppo.loss_mode)
+                b.route(a, self.ppo.loss_mode, self.modifiers)
                 for b, a in zip(
                     batches, advantages.split([len(b.rewards) for b in batches]), strict=True
                 )
             ]
         with timed(metrics, "ref_logprobs"):
-            ref = [self._no_grad_logprobs(self.ref_model, b) for b in batches]
+            ref = [self._reference_logprobs(b) for b in batches]
         with timed(metrics, "old_logprobs"):
             old = [self._old_logprobs(b, len(batches)) for b in batches]
         minibatches = [Minibatch(*parts) for parts in zip(batches, routed, ref, old, strict=True)]
@@ -167,6 +199,7 @@ class Learner:
             for stats in self._optimize(minibatches):
                 for key, value in stats.items():
                     metrics[key] = metrics.get(key, 0.0) + value / steps
+        self._count_nonfinite(metrics)
         self.version += 1
         metrics["learner/policy_version"] = float(self.version)
         # each row is forwarded without its padding: every unique token once per forward
@@ -175,6 +208,20 @@ class Learner:
         metrics["learner/path_tokens"] = float(sum(b.path_tokens for b in batches))
         metrics["learner/advantage_abs_mean"] = float(advantages.abs().mean())
         return metrics
+
+    def _count_nonfinite(self, metrics: dict[str, float]) -> None:
+        """An update with a non-finite loss or gradient in any step is counted as skipped (its
+        bad steps changed nothing); ``NONFINITE_LIMIT`` skipped updates in a row stop the run."""
+        skipped = metrics.pop("learner/nonfinite_steps") > 0
+        self.skipped_updates += int(skipped)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        metrics["learner/skipped_updates"] = float(self.skipped_updates)
+        if self.skipped_in_a_row >= NONFINITE_LIMIT:
+            raise TrainingStopped(
+                f"{NONFINITE_LIMIT} updates in a row had a non-finite loss or gradient (after "
+                f"policy version {self.version}); lower ppo.lr or ppo.grad_clip, or check the "
+                "rewards for NaN"
+            )
 
     def _split(self, trees: list[Tree]) -> list[list[Tree]]:
         """``ppo.minibatches`` shuffled groups of whole trees (fewer when trees are fewer)."""
@@ -189,6 +236,14 @@ class Learner:
         rows = range(batch.num_rows)
         return torch.stack([packed_logprobs(model, batch, r, self.temperature)[0] for r in rows])
 
+    def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """Action-token log-probs (R, T) of the reference policy: the frozen copy, or with LoRA
+        the same model with its adapter disabled."""
+        if self.ref_model is not None:
+            return self._no_grad_logprobs(self.ref_model, batch)
+        with self.model.disable_adapter():
+            return self._no_grad_logprobs(self.model, batch)
+
     def _old_logprobs(self, batch: PackedBatch, minibatches: int) -> torch.Tensor | None:
         """Log-probs (R, T) the ratio is taken against, or None when they are the current
         policy's own: with one optimizer step per update, recomputing them before the step gives
@@ -201,42 +256,68 @@ class Learner:
 
     def _optimize(self, minibatches: list[Minibatch]) -> Iterator[dict[str, float]]:
         """Yield the statistics of each optimizer step: per epoch, every minibatch in a new
-        order, its rows forwarded and back-propagated one at a time (gradient accumulation)."""
+        order (``learner/nonfinite_steps`` 1 for a step skipped as non-finite)."""
         coef = self.ppo.coefficients()
         for _ in range(self.ppo.epochs):
             for mb in self.rng.sample(minibatches, len(minibatches)):
-                self.optimizer.zero_grad(set_to_none=True)
-                stats: dict[str, float] = {}
-                for r in range(mb.batch.num_rows):
-                    logprobs, entropy = packed_logprobs(self.model, mb.batch, r, self.temperature)
-                    loss, row_stats = routed_ppo_loss(
-                        logprobs,
-                        logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs[r],
-                        mb.ref_logprobs[r],
-                        entropy,
-                        mb.routed.row(r),
-                        mb.batch.loss_mask[r],
-                        mb.denominator,
-                        coef,
-                    )
-                    loss.backward()
-                    row_stats["learner/loss"] = loss.item()
-                    for key, value in row_stats.items():
-                        stats[key] = stats.get(key, 0.0) + value
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.ppo.grad_clip
-                )
-                self.optimizer.step()
-                yield {**stats, "learner/grad_norm": float(grad_norm)}
+                stats = self._step(mb, coef)
+                yield {"learner/nonfinite_steps": 1.0} if stats is None else stats
 
-    def policy_state(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copy of the policy weights, as rollout engines load them."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+    def _step(self, mb: Minibatch, coef: PPOCoefficients) -> dict[str, float] | None:
+        """One optimizer step on ``mb``, its rows forwarded and back-propagated one at a time
+        (gradient accumulation). None, with the parameters unchanged, when a row's loss or the
+        gradient norm is not finite."""
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: dict[str, float] = {"learner/nonfinite_steps": 0.0}
+        for r in range(mb.batch.num_rows):
+            logprobs, entropy = packed_logprobs(self.model, mb.batch, r, self.temperature)
+            loss, row_stats = routed_ppo_loss(
+                logprobs,
+                logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs[r],
+                mb.ref_logprobs[r],
+                entropy,
+                mb.routed.row(r),
+                mb.batch.loss_mask[r],
+                mb.denominator,
+                coef,
+            )
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            loss.backward()
+            row_stats["learner/loss"] = loss.item()
+            for key, value in row_stats.items():
+                stats[key] = stats.get(key, 0.0) + value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.grad_clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        return {**stats, "learner/grad_norm": float(grad_norm)}
+
+    def policy_state(self) -> dict[str, torch.Tensor] | LoraPayload:
+        """What rollout engines load: a detached CPU copy of the weights, or with LoRA only the
+        adapter (its tensors and peft config)."""
+        if not self.lora:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        from peft import get_peft_model_state_dict
+
+        adapter = get_peft_model_state_dict(self.model)
+        return LoraPayload(
+            {k: v.detach().cpu().clone() for k, v in adapter.items()},
+            self.model.peft_config["default"].to_dict(),
+        )
 
     def save(self, path: Path, extra: dict | None = None) -> Path:
-        """Write the policy (safetensors + config), tokenizer and ``trainer_state.json``."""
+        """Write the policy (safetensors + config), tokenizer and ``trainer_state.json``. With
+        LoRA the policy is written merged (loadable as ``model.path``) and the adapter alone in
+        ``adapter/``."""
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
+        if self.lora:
+            self.model.save_pretrained(path / "adapter")
+            copy.deepcopy(self.model).merge_and_unload().save_pretrained(path)
+        else:
+            self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         state = {"policy_version": self.version, **(extra or {})}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -290,13 +371,19 @@ def train_loop_per_worker(config: dict) -> None:
         temperature=cfg.sampling.temperature,
         advantage=cfg.ppo.advantage,
         seed=cfg.train.seed,
+        lora=cfg.model.lora,
     )
     for _ in range(cfg.train.steps):
         trees, metrics = pull_batch(
             queue, cfg.train.prompts_per_step, learner.version, cfg.train.max_policy_lag
         )
         with timed(metrics, "update"):
-            metrics.update(learner.update(trees))
+            try:
+                metrics.update(learner.update(trees))
+            except TrainingStopped as err:
+                kept = learner.save(cfg.run_dir / "checkpoint-last-good", {"step": learner.version})
+                ray.get(controller.abort.remote(f"{err}; the last good policy is in {kept}"))
+                return
         weights = ray.put(learner.policy_state())
         ray.get(controller.publish.remote(learner.version, [weights], metrics))
     final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})

@@ -11,8 +11,9 @@ of packed trees (``loss.routed_ppo_loss``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -67,15 +68,34 @@ class RoutedAdvantages:
     routing the packed loss equals the path-expanded one exactly.
     ``mean`` mode: K = 1, the mean advantage of the leaves below, weight 1 (0 for a node with no
     leaf below, which no path holds).
+
+    kl_coef, entropy_coef: (...) each token's own KL and entropy coefficient, set by per-node
+    modifiers (``modifiers.NodeModifiers``); None: ``PPOCoefficients``' for every token.
     """
 
     advantages: torch.Tensor
     leaves: torch.Tensor
     weights: torch.Tensor
+    kl_coef: torch.Tensor | None = None
+    entropy_coef: torch.Tensor | None = None
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RoutedAdvantages:
+        """``fn`` applied to every tensor field, along the trailing (node or token) dimensions."""
+        fields: dict[str, Any] = {
+            name: None if value is None else fn(value) for name, value in vars(self).items()
+        }
+        return RoutedAdvantages(**fields)
 
     def row(self, row: int) -> RoutedAdvantages:
         """One packed row of a token-level routing: (K, T), (K, T), (T,)."""
-        return RoutedAdvantages(self.advantages[:, row], self.leaves[:, row], self.weights[row])
+        return self._map(lambda value: value[..., row, :])
+
+    def on_tokens(self, token_node: torch.Tensor) -> RoutedAdvantages:
+        """A node routing gathered onto packed tokens: ``token_node`` (R, T) holds each token's
+        node, -1 on prompt and padding tokens, which get 0."""
+        on_node = token_node >= 0
+        index = token_node.clamp(min=0)
+        return self._map(lambda value: value[..., index] * on_node)
 
 
 def route_to_nodes(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +18,7 @@ from treegrpo_ray.envs.multihop import MultihopConfig
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients
 from treegrpo_ray.modeling import TinyModelConfig
+from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
 from treegrpo_ray.search import TreeShape
 
 
@@ -30,6 +31,20 @@ class TaskConfig(_Section):
     multihop: MultihopConfig = Field(default_factory=MultihopConfig)
 
 
+class LoraSettings(_Section):
+    """LoRA through peft: only the adapter trains and only the adapter goes to the rollout
+    engines; the reference policy is the same model with the adapter disabled (no second copy)."""
+
+    enabled: bool = Field(False, description="Train a LoRA adapter instead of all weights.")
+    rank: int = Field(8, gt=0, description="Adapter rank r.")
+    alpha: float = Field(16, gt=0, description="Scaling numerator: updates are scaled alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Module names that get an adapter (Qwen2 / Llama projection names).",
+    )
+
+
 class ModelConfig(_Section):
     path: str | None = Field(
         None,
@@ -37,6 +52,7 @@ class ModelConfig(_Section):
         "null builds the tiny model from `tiny` and warm-starts it on the task (cached).",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
 
 
 class WarmStartConfig(_Section):
@@ -98,6 +114,64 @@ class EngineConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
 
+class DepthDecayConfig(_Section):
+    """Node weight multiplier ``w(d) = first · per_level^d`` by node depth d (0 = first step)."""
+
+    first: float = Field(gt=0, description="Multiplier of the first agent step (depth 0).")
+    per_level: float = Field(gt=0, description="Further factor per level below the first.")
+
+
+class ModifiersConfig(_Section):
+    """Per-node modifiers of the routed loss, all off by default (``treegrpo_ray/modifiers.py``,
+    formulas in docs/algorithm.md)."""
+
+    depth_decay: DepthDecayConfig | None = Field(
+        None,
+        description="Scale each node's pg, KL and entropy terms by first · per_level^depth, e.g. "
+        "{first: 0.92, per_level: 0.85}; the token-mean denominator is not decayed. null: off.",
+    )
+    role_kl_coef: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        {}, description="Role -> KL coefficient replacing kl_coef on that role's tokens."
+    )
+    role_entropy_coef: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        {}, description="Role -> entropy coefficient replacing entropy_coef on its tokens."
+    )
+    frozen_roles: list[str] = Field(
+        [],
+        description="Roles whose tokens are out of the loss and out of the token-mean "
+        "denominator (e.g. scripted steps).",
+    )
+    reward_norm_momentum: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Normalise leaf rewards per leaf depth with running mean/std (EMA over "
+        "updates with this momentum) before the advantages. null: off.",
+    )
+
+    def node_modifiers(self, kl_coef: float, entropy_coef: float) -> NodeModifiers | None:
+        """The per-node modifiers over the run's coefficients; None when all are off."""
+        if not (
+            self.depth_decay or self.role_kl_coef or self.role_entropy_coef or self.frozen_roles
+        ):
+            return None
+        decay = self.depth_decay
+        return NodeModifiers(
+            kl_coef=kl_coef,
+            entropy_coef=entropy_coef,
+            depth_decay=None if decay is None else DepthDecay(decay.first, decay.per_level),
+            role_kl_coef=dict(self.role_kl_coef),
+            role_entropy_coef=dict(self.role_entropy_coef),
+            frozen_roles=frozenset(self.frozen_roles),
+        )
+
+    def reward_normalizer(self) -> DepthRewardNorm | None:
+        """A fresh per-depth reward normaliser; None when off."""
+        if self.reward_norm_momentum is None:
+            return None
+        return DepthRewardNorm(self.reward_norm_momentum)
+
+
 class PPOConfig(_Section):
     advantage: Literal["tree", "chain"] = Field(
         "tree", description="tree: intra-tree + inter-tree (paper); chain: prompt-level GRPO."
@@ -127,6 +201,7 @@ class PPOConfig(_Section):
         "only, so at least the largest tree's token count. Attention in a row costs its length "
         "squared, trees in one row included: on CPU, rows of one or two trees are fastest.",
     )
+    modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
 
     def coefficients(self) -> PPOCoefficients:
         return PPOCoefficients(self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef)

@@ -114,6 +114,11 @@ def routed_ppo_loss(
     ``sum(loss_mask * routed.weights)`` over the whole batch, so that the losses (and the
     statistics) of its micro-batches add up to the full-batch token-mean; in ``paper`` mode that is
     the path-expanded action-token count and the result equals ``ppo_loss`` on the expanded paths.
+
+    Where ``routed`` carries per-token ``kl_coef`` and ``entropy_coef`` (per-node modifiers,
+    ``treegrpo_ray.modifiers``), they replace ``coef.kl_coef`` and ``coef.entropy_coef``: the loss
+    is ``pg + sum(loss_mask·weights·(kl_coef·KL - entropy_coef·H)) / denominator``. The
+    ``learner/kl`` and ``learner/entropy`` statistics stay the plain token-means, undecayed.
     """
     pg, clipped = dual_clip_pg_losses(
         logprobs, old_logprobs, routed.advantages, coef.clip_ratio, coef.dual_clip
@@ -123,9 +128,14 @@ def routed_ppo_loss(
         return (values * loss_mask).sum() / denominator
 
     pg_loss = total(pg.sum(0))
-    kl_loss = total(k3_kl(logprobs, ref_logprobs) * routed.weights)
+    kl = k3_kl(logprobs, ref_logprobs)
+    kl_loss = total(kl * routed.weights)
     entropy_mean = total(entropy * routed.weights)
-    loss = pg_loss + coef.kl_coef * kl_loss - coef.entropy_coef * entropy_mean
+    if routed.kl_coef is None or routed.entropy_coef is None:
+        loss = pg_loss + coef.kl_coef * kl_loss - coef.entropy_coef * entropy_mean
+    else:
+        regularizer = routed.kl_coef * kl - routed.entropy_coef * entropy
+        loss = pg_loss + total(regularizer * routed.weights)
     stats = {
         "learner/pg_loss": pg_loss.item(),
         "learner/kl": kl_loss.item(),

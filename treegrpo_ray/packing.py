@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages, route_to_nodes
+from treegrpo_ray.modifiers import NodeModifiers
 from treegrpo_ray.tree import ROOT, Tree
 
 
@@ -125,7 +126,9 @@ class PackedBatch:
     token_node: (R, T) long, the token's node as an index into the batch's nodes (trees in
         order, then node ids), -1 on prompt and padding tokens.
     node_leaves: (N, L) float, 1 where leaf l is node n or lies below it.
-    rewards, tree_ids, group_ids, policy_version: (L,) per leaf, in the order of ``expand_paths``.
+    node_depths: (N,) long, each node's ``AgentStep.depth``; node_roles: N role names.
+    rewards, tree_ids, group_ids, policy_version, leaf_depths: (L,) per leaf, in the order of
+        ``expand_paths``.
     path_tokens: tokens path expansion would forward: the sum of the path lengths (no padding).
     """
 
@@ -138,10 +141,13 @@ class PackedBatch:
     behaviour_logprobs: torch.Tensor
     token_node: torch.Tensor
     node_leaves: torch.Tensor
+    node_depths: torch.Tensor
+    node_roles: list[str]
     rewards: torch.Tensor
     tree_ids: torch.Tensor
     group_ids: torch.Tensor
     policy_version: torch.Tensor
+    leaf_depths: torch.Tensor
     path_tokens: int
 
     @property
@@ -161,19 +167,19 @@ class PackedBatch:
         return bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
     def route(
-        self, leaf_advantages: torch.Tensor, mode: Literal["paper", "mean"]
+        self,
+        leaf_advantages: torch.Tensor,
+        mode: Literal["paper", "mean"],
+        modifiers: NodeModifiers | None = None,
     ) -> RoutedAdvantages:
-        """Leaf advantages (L,) routed to the nodes (``advantage.route_to_nodes``) and gathered
-        onto their tokens: advantages and leaves (K, R, T), weights (R, T); 0 on prompt and
-        padding tokens."""
+        """Leaf advantages (L,) routed to the nodes (``advantage.route_to_nodes``), changed by
+        the per-node ``modifiers`` if any, and gathered onto their tokens: advantages and leaves
+        (K, R, T), weights (R, T), with modifiers also kl_coef and entropy_coef (R, T); 0 on
+        prompt and padding tokens."""
         nodes = route_to_nodes(leaf_advantages, self.node_leaves, mode)
-        on_node = self.token_node >= 0
-        index = self.token_node.clamp(min=0)
-        return RoutedAdvantages(
-            advantages=nodes.advantages[:, index] * on_node,
-            leaves=nodes.leaves[:, index] * on_node,
-            weights=nodes.weights[index] * on_node,
-        )
+        if modifiers is not None:
+            nodes = modifiers.apply(nodes, self.node_depths, self.node_roles)
+        return nodes.on_tokens(self.token_node)
 
 
 @dataclass
@@ -300,7 +306,7 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
 
 
 def _leaf_fields(trees: list[Tree]) -> dict:
-    """``node_leaves``, the per-leaf fields and ``path_tokens`` of ``PackedBatch``."""
+    """The per-node fields, the per-leaf fields and ``path_tokens`` of ``PackedBatch``."""
     leaves = [(tree, leaf) for tree in trees for leaf in tree.leaves()]
     nodes = [(tree, node.node_id) for tree in trees for node in tree.nodes]
     index = {(id(tree), node_id): n for n, (tree, node_id) in enumerate(nodes)}
@@ -313,9 +319,12 @@ def _leaf_fields(trees: list[Tree]) -> dict:
             node_leaves[index[(id(tree), node.node_id)], col] = 1.0
     return dict(
         node_leaves=node_leaves,
+        node_depths=torch.tensor([tree.node(n).depth for tree, n in nodes], dtype=torch.long),
+        node_roles=[tree.node(n).role for tree, n in nodes],
         rewards=torch.tensor([leaf.reward for _, leaf in leaves], dtype=torch.float32),
         tree_ids=torch.tensor([tree.tree_id for tree, _ in leaves]),
         group_ids=torch.tensor([tree.group_id for tree, _ in leaves]),
         policy_version=torch.tensor([leaf.policy_version for _, leaf in leaves]),
+        leaf_depths=torch.tensor([leaf.depth for _, leaf in leaves], dtype=torch.long),
         path_tokens=path_tokens,
     )

@@ -125,3 +125,50 @@ def test_pull_batch_refuses_trees_older_than_the_lag():
     assert metrics["rollout/cached_tokens"] == 12
     assert metrics["rollout/cache_hit_rate"] == 12 / 30
     assert queue.tables == []
+
+
+def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tiny_cfg, tiny_policy):
+    from treegrpo_ray.errors import TrainingStopped
+
+    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
+    poisoned = _trees(tiny_cfg, tiny_policy, prompts=2)
+    poisoned[0].leaves()[0].reward = float("nan")  # NaN advantages -> NaN loss
+    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    before = {k: v.clone() for k, v in learner.model.named_parameters()}
+    skipped = learner.update(poisoned)
+    assert skipped["learner/skipped_updates"] == 1.0 and learner.version == 1
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.named_parameters())
+    assert learner.update(trees)["learner/skipped_updates"] == 1.0  # a good one resets the streak
+    learner.update(poisoned)
+    learner.update(poisoned)
+    with pytest.raises(TrainingStopped, match="3 updates in a row had a non-finite loss"):
+        learner.update(poisoned)
+    assert learner.skipped_updates == 4
+
+
+def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_cfg, tiny_policy):
+    from learners.learner import packed_logprobs
+    from treegrpo_ray.config import LoraSettings
+    from treegrpo_ray.engine import LoraPayload
+    from treegrpo_ray.modeling import load_policy
+    from treegrpo_ray.packing import pack_trees
+
+    lora = LoraSettings(enabled=True, rank=8, alpha=16)
+    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0, lora=lora)
+    before = {k: v.clone() for k, v in learner.model.named_parameters()}
+    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
+    for _ in range(2):  # B starts at zero: the second update is the first to move A
+        learner.update(trees)
+    changed = {k for k, v in learner.model.named_parameters() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert {k for k in before if "lora_" in k} == changed  # every adapter tensor moved
+
+    batch = pack_trees(trees, 4096, learner.tokenizer.pad_token_id)
+    base, _ = load_policy(tiny_policy)
+    with torch.no_grad():
+        want = packed_logprobs(base, batch, 0)[0]
+    torch.testing.assert_close(learner._reference_logprobs(batch)[0], want, atol=1e-6, rtol=0)
+
+    payload = learner.policy_state()
+    assert isinstance(payload, LoraPayload)
+    assert payload.adapter_state and all("lora_" in k for k in payload.adapter_state)
