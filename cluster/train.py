@@ -47,7 +47,11 @@ def _connect(cfg: RunConfig) -> bool:
     if cfg.cluster.address:
         ray.init(address=cfg.cluster.address, logging_level="WARNING")
         return True
-    cpus = cfg.cluster.rollout_workers * cfg.cluster.rollout_cpus + cfg.cluster.learner_cpus
+    cluster = cfg.cluster
+    cpus = (
+        cluster.rollout_workers * cluster.rollout_cpus
+        + cluster.learner_workers * cluster.learner_cpus
+    )
     ray.init(num_cpus=math.ceil(cpus), logging_level="WARNING", log_to_driver=False)
     return True
 
@@ -133,7 +137,8 @@ def train(cfg: RunConfig, progress: bool = True, overwrite: bool = False) -> dic
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
             scaling_config=ScalingConfig(
-                num_workers=1, resources_per_worker={"CPU": cfg.cluster.learner_cpus}
+                num_workers=cfg.cluster.learner_workers,
+                resources_per_worker={"CPU": cfg.cluster.learner_cpus},
             ),
             run_config=RayRunConfig(
                 name=cfg.name, storage_path=str((cfg.run_dir / "ray_train").resolve())

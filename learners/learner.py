@@ -17,6 +17,14 @@ from pathlib import Path
 
 import torch
 
+from learners.distributed import (
+    all_agree,
+    broadcast_from_first,
+    deal_rows,
+    sum_gradients,
+    sum_stats,
+    world,
+)
 from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
 from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import LoraSettings, PPOConfig
@@ -155,6 +163,7 @@ class Learner:
         self.modifiers = ppo.modifiers.node_modifiers(ppo.kl_coef, ppo.entropy_coef)
         self.reward_norm = ppo.modifiers.reward_normalizer()  # running state: checkpoint it
         self.rng = random.Random(seed)
+        self.rank, self.world_size = world()
         self.version = 0
         self.skipped_updates = 0
         self.skipped_in_a_row = 0
@@ -230,11 +239,19 @@ class Learner:
         groups = [order[i :: self.ppo.minibatches] for i in range(self.ppo.minibatches)]
         return [group for group in groups if group]
 
+    def _my_rows(self, batch: PackedBatch) -> list[int]:
+        """The rows of ``batch`` this rank forwards (all of them without distribution)."""
+        tokens = [batch.row_length(r) for r in range(batch.num_rows)]
+        return deal_rows(tokens, self.world_size)[self.rank]
+
     @torch.no_grad()
     def _no_grad_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        """Action-token log-probs (R, T) of ``model`` on every row of ``batch``."""
-        rows = range(batch.num_rows)
-        return torch.stack([packed_logprobs(model, batch, r, self.temperature)[0] for r in rows])
+        """Action-token log-probs (R, T) of ``model`` on this rank's rows of ``batch`` (0 on
+        the other ranks' rows, which this rank never reads)."""
+        out = torch.zeros(batch.input_ids.shape)
+        for r in self._my_rows(batch):
+            out[r] = packed_logprobs(model, batch, r, self.temperature)[0]
+        return out
 
     def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """Action-token log-probs (R, T) of the reference policy: the frozen copy, or with LoRA
@@ -264,12 +281,13 @@ class Learner:
                 yield {"learner/nonfinite_steps": 1.0} if stats is None else stats
 
     def _step(self, mb: Minibatch, coef: PPOCoefficients) -> dict[str, float] | None:
-        """One optimizer step on ``mb``, its rows forwarded and back-propagated one at a time
-        (gradient accumulation). None, with the parameters unchanged, when a row's loss or the
-        gradient norm is not finite."""
+        """One optimizer step on ``mb``: this rank's rows forwarded and back-propagated one at a
+        time (gradient accumulation), gradients summed over the ranks. None, with the parameters
+        unchanged on every rank, when a row's loss or the gradient norm is not finite."""
         self.optimizer.zero_grad(set_to_none=True)
         stats: dict[str, float] = {"learner/nonfinite_steps": 0.0}
-        for r in range(mb.batch.num_rows):
+        finite = True
+        for r in self._my_rows(mb.batch):
             logprobs, entropy = packed_logprobs(self.model, mb.batch, r, self.temperature)
             loss, row_stats = routed_ppo_loss(
                 logprobs,
@@ -281,15 +299,19 @@ class Learner:
                 mb.denominator,
                 coef,
             )
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
+            finite = bool(torch.isfinite(loss))
+            if not finite:
+                break
             loss.backward()
             row_stats["learner/loss"] = loss.item()
             for key, value in row_stats.items():
                 stats[key] = stats.get(key, 0.0) + value
+        if self.world_size > 1:  # every rank joins every collective, finite or not
+            finite = all_agree(finite)
+            sum_gradients(self.model.parameters())
+            stats = sum_stats(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.ppo.grad_clip)
-        if not torch.isfinite(grad_norm):
+        if not (finite and torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return None
         self.optimizer.step()
@@ -357,7 +379,11 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """Ray Train worker: pull trees, update, publish each new version through the controller."""
+    """Ray Train worker: pull trees, update, publish each new version through the controller.
+
+    With several workers, rank 0 pulls each batch and broadcasts it; every rank updates on its
+    share of the rows (``learners.distributed``); rank 0 publishes and saves.
+    """
     import ray
     import ray.train
 
@@ -373,18 +399,29 @@ def train_loop_per_worker(config: dict) -> None:
         seed=cfg.train.seed,
         lora=cfg.model.lora,
     )
+    first = learner.rank == 0
     for _ in range(cfg.train.steps):
-        trees, metrics = pull_batch(
-            queue, cfg.train.prompts_per_step, learner.version, cfg.train.max_policy_lag
-        )
+        batch = None
+        if first:
+            batch = pull_batch(
+                queue, cfg.train.prompts_per_step, learner.version, cfg.train.max_policy_lag
+            )
+        trees, metrics = broadcast_from_first(batch) if learner.world_size > 1 else batch
         with timed(metrics, "update"):
             try:
                 metrics.update(learner.update(trees))
-            except TrainingStopped as err:
-                kept = learner.save(cfg.run_dir / "checkpoint-last-good", {"step": learner.version})
-                ray.get(controller.abort.remote(f"{err}; the last good policy is in {kept}"))
+            except TrainingStopped as err:  # raised alike on every rank
+                if first:
+                    kept = learner.save(
+                        cfg.run_dir / "checkpoint-last-good", {"step": learner.version}
+                    )
+                    ray.get(controller.abort.remote(f"{err}; the last good policy is in {kept}"))
                 return
-        weights = ray.put(learner.policy_state())
-        ray.get(controller.publish.remote(learner.version, [weights], metrics))
-    final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})
-    ray.train.report({"policy_version": learner.version, "checkpoint_dir": str(final)})
+        if first:
+            weights = ray.put(learner.policy_state())
+            ray.get(controller.publish.remote(learner.version, [weights], metrics))
+    report: dict[str, object] = {"policy_version": learner.version}
+    if first:
+        final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})
+        report["checkpoint_dir"] = str(final)
+    ray.train.report(report)  # every worker reports, the same number of times

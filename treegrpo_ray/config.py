@@ -226,7 +226,10 @@ class ClusterConfig(_Section):
     address: str | None = Field(None, description="Ray address; null starts a local instance.")
     rollout_workers: int = Field(1, gt=0, description="Rollout worker actors.")
     rollout_cpus: float = Field(1, gt=0, description="CPUs reserved per rollout worker.")
-    learner_cpus: float = Field(1, gt=0, description="CPUs reserved for the learner worker.")
+    learner_workers: int = Field(
+        1, gt=0, description="Ray Train learner workers (data parallel; gloo on CPU, nccl on GPU)."
+    )
+    learner_cpus: float = Field(1, gt=0, description="CPUs reserved per learner worker.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per process.")
     queue_size: int = Field(4, gt=0, description="Tree batches the queue holds before blocking.")
 

@@ -11,9 +11,12 @@ from cluster.train import train
 pytestmark = pytest.mark.integration
 
 
-def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny_policy):
+@pytest.mark.parametrize("learners", [1, 2], ids=["1-learner", "2-learners"])
+def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny_policy, learners):
     cfg = make_cfg(
-        "name=e2e",
+        f"name=e2e-{learners}",
+        f"cluster.learner_workers={learners}",
+        f"cluster.torch_threads={3 - learners}",  # one thread per core
         "train.steps=2",
         "train.prompts_per_step=4",
         "train.eval_every=1",
@@ -39,6 +42,7 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny
         assert record["tree/groups"] == 4
         assert record["tree/leaves"] == 4 * cfg.tree.shape().leaves_per_prompt
         assert "eval/greedy_em" in record and "budget/generated_tokens" in record
+        assert 0.0 <= record["rollout/cache_hit_rate"] < 1.0
     for key in ("before/eval/sampled_em", "after/eval/sampled_em", "after/eval/greedy_em"):
         assert 0.0 <= summary[key] <= 1.0
     assert "held-out EM" in summary["line"]
