@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from learners.checkpoint import save_checkpoint
 from learners.distributed import (
     all_agree,
     broadcast_from_first,
@@ -420,6 +421,9 @@ def train_loop_per_worker(config: dict) -> None:
         if first:
             weights = ray.put(learner.policy_state())
             ray.get(controller.publish.remote(learner.version, [weights], metrics))
+            every = cfg.train.checkpoint_every
+            if every and learner.version % every == 0:
+                save_checkpoint(learner, cfg.run_dir / "checkpoints", {"step": learner.version})
     report: dict[str, object] = {"policy_version": learner.version}
     if first:
         final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})

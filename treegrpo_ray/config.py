@@ -215,6 +215,12 @@ class TrainConfig(_Section):
     )
     seed: int = Field(0, description="Seeds prompt order, tree search and sampling.")
     eval_every: int = Field(10, ge=0, description="Greedy held-out evaluation period; 0 = off.")
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        description="Learner training-state checkpoint period in updates (RUN/checkpoints, the "
+        "2 newest kept, written atomically); 0 = off.",
+    )
     eval_questions: int = Field(256, gt=0, description="Held-out questions in periodic evals.")
     final_eval_questions: int = Field(
         1024, gt=0, description="Held-out questions in the evaluations before and after training."

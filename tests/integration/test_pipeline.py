@@ -22,6 +22,7 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny
         "train.eval_every=1",
         "train.eval_questions=16",
         "train.final_eval_questions=16",
+        "train.checkpoint_every=1",
     )
     summary = train(cfg, progress=False)
 
@@ -47,3 +48,6 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny
         assert 0.0 <= summary[key] <= 1.0
     assert "held-out EM" in summary["line"]
     assert any((cfg.run_dir / "tensorboard").iterdir())
+    checkpoints = cfg.run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-000002"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000002"]
