@@ -162,7 +162,7 @@ class Learner:
         self.temperature = temperature
         self.advantage = advantage
         self.modifiers = ppo.modifiers.node_modifiers(ppo.kl_coef, ppo.entropy_coef)
-        self.reward_norm = ppo.modifiers.reward_normalizer()  # running state: checkpoint it
+        self.reward_norm = ppo.modifiers.reward_normalizer()  # running state, in checkpoints
         self.rng = random.Random(seed)
         self.rank, self.world_size = world()
         self.version = 0
