@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 
@@ -19,7 +20,11 @@ def _parser() -> argparse.ArgumentParser:
         ("warmstart", "build and warm-start the tiny model of a preset (cached)"),
     ):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("config", help="a preset name (see `treegrpo presets`) or a YAML path")
+        cmd.add_argument(
+            "config",
+            nargs="?" if name == "train" else None,
+            help="a preset name (see `treegrpo presets`) or a YAML path",
+        )
         cmd.add_argument(
             "--set",
             dest="overrides",
@@ -29,8 +34,16 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config field, e.g. --set tree.n=0 (repeatable)",
         )
         cmd.add_argument("--quiet", action="store_true", help="no progress bars")
-    sub.choices["train"].add_argument(
+    train = sub.choices["train"]
+    train.add_argument(
         "--overwrite", action="store_true", help="replace an existing run directory of that name"
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        type=Path,
+        help="continue the run in RUN_DIR from its newest checkpoint (CONFIG optional: the run's "
+        "saved config is used; --set train.steps=N extends it)",
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
     return parser
@@ -42,7 +55,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0
-    cfg = load_config(args.config, args.overrides)
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        from treegrpo_ray.config import resume_config
+
+        cfg = resume_config(resume, args.config, args.overrides)
+    elif args.config is None:
+        raise UserInputError("train needs a CONFIG (a preset name or a YAML path) or --resume")
+    else:
+        cfg = load_config(args.config, args.overrides)
     if args.command == "warmstart":
         from cluster.train import resolve_model_path
 
@@ -50,7 +71,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from cluster.train import train
 
-    summary = train(cfg, progress=not args.quiet, overwrite=args.overwrite)
+    summary = train(
+        cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
+    )
     print(summary["line"])
     return 0
 

@@ -26,6 +26,7 @@ from cluster.engines import rollout_actor_options
 from treegrpo_ray.config import RunConfig
 from treegrpo_ray.envs.multihop import MultihopTask
 
+EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
 BUDGET_TOTALS = (
     "budget/generated_tokens",
     "budget/tool_calls",
@@ -35,12 +36,19 @@ BUDGET_TOTALS = (
 
 
 class MetricsLog:
-    """``metrics.jsonl`` plus a TensorBoard log in the run directory."""
+    """``metrics.jsonl`` plus a TensorBoard log in the run directory.
 
-    def __init__(self, run_dir: Path):
+    Resuming after step ``resume_after``, the records of later steps (written before the job
+    died, and about to be redone) are dropped from both; ``records`` holds the ones kept."""
+
+    def __init__(self, run_dir: Path, resume_after: int = 0):
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (run_dir / "metrics.jsonl").open("a")
-        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+        path = run_dir / "metrics.jsonl"
+        self.records = _records_upto(path, resume_after) if resume_after else []
+        path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self.jsonl = path.open("a")
+        purge = resume_after + 1 if resume_after else None
+        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, record: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
@@ -54,11 +62,25 @@ class MetricsLog:
         self.tensorboard.close()
 
 
-class Controller:
-    """Orchestrates one training job (see module docstring)."""
+def _records_upto(path: Path, last_step: int) -> list[dict[str, Any]]:
+    """The step records in ``path`` up to and including ``last_step``."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= last_step]
 
-    def __init__(self, cfg: RunConfig, model_path: str):
+
+class Controller:
+    """Orchestrates one training job (see module docstring).
+
+    ``start_step`` > 0 resumes a run whose learner checkpoint is at that policy version: the
+    workers start from ``model_path`` and produce nothing until the learner has sent the restored
+    policy (``restore``); prompt groups are leased from that step on, as the uninterrupted run
+    would have (leases are a function of the step and the seed)."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, start_step: int = 0):
         self.cfg = cfg
+        self.start_step = start_step
         task = MultihopTask(cfg.task.multihop)
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
@@ -76,13 +98,15 @@ class Controller:
             )
             for i in range(cfg.cluster.rollout_workers)
         ]
-        self.version = 0
+        self.version = start_step
+        self.policy_ready = start_step == 0
         self.changed = threading.Condition()
-        self.records: list[dict[str, Any]] = []
-        self.log = MetricsLog(cfg.run_dir)
+        self.log = MetricsLog(cfg.run_dir, resume_after=start_step)
+        self.records: list[dict[str, Any]] = self.log.records
         self.stopped = False
         self.failure: str | None = None
-        self.evals: dict[str, float] = {}
+        self.evals_file = cfg.run_dir / EVALS_FILE
+        self.evals: dict[str, float] = json.loads(self.evals_file.read_text()) if start_step else {}
 
     def get_queue(self) -> TreeQueue:
         return self.queue
@@ -99,10 +123,13 @@ class Controller:
         order = list(range(len(self.train_samples)))
         random.Random(train.seed).shuffle(order)
         try:
-            for step in range(train.steps):
+            for step in range(self.start_step, train.steps):
                 with self.changed:
                     self.changed.wait_for(
-                        lambda s=step: self.stopped or self.version >= s - train.max_policy_lag
+                        lambda s=step: (
+                            self.stopped
+                            or (self.policy_ready and self.version >= s - train.max_policy_lag)
+                        )
                     )
                 if self.stopped:
                     return
@@ -149,6 +176,14 @@ class Controller:
             self.log.write(version, metrics)
             self.changed.notify_all()
 
+    def restore(self, version: int, weights: list[ray.ObjectRef]) -> None:
+        """Load the resumed learner's policy ``version`` into every worker; production starts."""
+        ray.get([w.load_weights.remote(version, weights[0]) for w in self.workers])
+        with self.changed:
+            self.version = version
+            self.policy_ready = True
+            self.changed.notify_all()
+
     def _engine_cache_metrics(self) -> dict[str, float]:
         """KV held by the workers' prefix caches now and evictions since start (all workers)."""
         stats = ray.get([w.cache_stats.remote() for w in self.workers])
@@ -178,6 +213,7 @@ class Controller:
             "eval/greedy_em": self.evaluate(n, temperature=0.0),
         }
         self.evals.update({f"{when}/{k}": v for k, v in result.items()})
+        self.evals_file.write_text(json.dumps(self.evals, indent=2))
         return result
 
     # --- for the driver ---------------------------------------------------------------------

@@ -23,9 +23,10 @@ from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
 from cluster.controller import Controller
+from learners.checkpoint import latest_checkpoint
 from learners.learner import train_loop_per_worker
 from learners.warmstart import warm_start
-from treegrpo_ray.config import RunConfig
+from treegrpo_ray.config import RunConfig, save_run_config
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.modeling import check_policy_dir
 
@@ -118,20 +119,48 @@ def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(run_dir)
 
 
-def train(cfg: RunConfig, progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Run one training job to the end; returns the summary (also written to summary.json)."""
+def resume_step(cfg: RunConfig) -> int:
+    """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
+    latest = latest_checkpoint(cfg.run_dir / "checkpoints")
+    if latest is None:
+        raise UserInputError(
+            f"cannot resume {cfg.run_dir}: it holds no checkpoint yet (train.checkpoint_every "
+            "was 0, or the job ended before the first); start it again with --overwrite"
+        )
+    step = json.loads((latest / "trainer_state.json").read_text())["policy_version"]
+    if step >= cfg.train.steps:
+        raise UserInputError(
+            f"cannot resume {cfg.run_dir}: its checkpoint is at step {step} and train.steps is "
+            f"{cfg.train.steps}; ask for more with --set train.steps=N (N > {step})"
+        )
+    return step
+
+
+def train(
+    cfg: RunConfig, progress: bool = True, overwrite: bool = False, resume: bool = False
+) -> dict[str, Any]:
+    """Run one training job to the end; returns the summary (also written to summary.json).
+
+    ``resume``: continue the run in ``cfg.run_dir`` from its newest checkpoint (the config comes
+    from ``treegrpo_ray.config.resume_config``); otherwise the run directory must be new."""
     start = time.perf_counter()
     cfg = cfg.with_absolute_paths()
-    _claim_run_dir(cfg.run_dir, overwrite)
+    if resume:
+        start_step = resume_step(cfg)
+    else:
+        _claim_run_dir(cfg.run_dir, overwrite)
+        start_step = 0
+    save_run_config(cfg)
     model_path = resolve_model_path(cfg, progress)
     started_ray = _connect(cfg)
     controller = (
         ray.remote(Controller)
         .options(name=f"treegrpo-controller-{cfg.name}", max_concurrency=8, num_cpus=0)
-        .remote(cfg, model_path)
+        .remote(cfg, model_path, start_step)
     )
     try:
-        ray.get(controller.final_evaluation.remote("before"))
+        if not resume:
+            ray.get(controller.final_evaluation.remote("before"))
         production = controller.run.remote()
         trainer = TorchTrainer(
             train_loop_per_worker,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learners.checkpoint import save_checkpoint
+from learners.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learners.distributed import (
     all_agree,
     broadcast_from_first,
@@ -383,7 +383,9 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train worker: pull trees, update, publish each new version through the controller.
 
     With several workers, rank 0 pulls each batch and broadcasts it; every rank updates on its
-    share of the rows (``learners.distributed``); rank 0 publishes and saves.
+    share of the rows (``learners.distributed``); rank 0 publishes and saves. When the run
+    directory holds a training-state checkpoint (a resumed run), every rank restores it and rank 0
+    hands the restored policy to the controller before the first pull.
     """
     import ray
     import ray.train
@@ -401,7 +403,13 @@ def train_loop_per_worker(config: dict) -> None:
         lora=cfg.model.lora,
     )
     first = learner.rank == 0
-    for _ in range(cfg.train.steps):
+    latest = latest_checkpoint(cfg.run_dir / "checkpoints")
+    if latest is not None:  # a resumed run: continue from the newest complete checkpoint
+        load_checkpoint(learner, latest)
+        if first:
+            weights = ray.put(learner.policy_state())
+            ray.get(controller.restore.remote(learner.version, [weights]))
+    while learner.version < cfg.train.steps:
         batch = None
         if first:
             batch = pull_batch(

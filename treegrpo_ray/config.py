@@ -6,6 +6,7 @@ Every field is documented once, here, where it is defined. Validation errors bec
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -333,11 +334,77 @@ def _describe(error: Mapping[str, Any]) -> str:
 
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
     """Load a preset name or YAML path, apply ``a.b=value`` overrides and validate."""
-    data = _read_yaml(name_or_path)
+    return _validate(_read_yaml(name_or_path), overrides, name_or_path)
+
+
+def _validate(data: dict[str, Any], overrides: list[str] | None, source: str) -> RunConfig:
     for override in overrides or []:
         apply_override(data, override)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         problems = "; ".join(_describe(e) for e in err.errors())
-        raise UserInputError(f"invalid config {name_or_path}: {problems}") from err
+        raise UserInputError(f"invalid config {source}: {problems}") from err
+
+
+RUN_CONFIG_FILE = "config.yaml"
+# Fields a resumed run may change: where it runs and how long, not what it learns from.
+RESUMABLE_CHANGES = (
+    "name",
+    "train.output_dir",
+    "train.steps",
+    "train.eval_every",
+    "train.eval_questions",
+    "train.checkpoint_every",
+    "cluster.",
+    "engine.",
+)
+
+
+def save_run_config(cfg: RunConfig) -> None:
+    """Write the run's resolved config to ``RUN_DIR/config.yaml`` (what ``--resume`` reads)."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    (cfg.run_dir / RUN_CONFIG_FILE).write_text(text)
+
+
+def resume_config(
+    run_dir: Path, name_or_path: str | None, overrides: list[str] | None = None
+) -> RunConfig:
+    """The config of a resumed run: the one saved in ``run_dir`` (or ``name_or_path``, which must
+    agree with it) plus ``overrides``, writing to ``run_dir``.
+
+    Only the fields in ``RESUMABLE_CHANGES`` may differ from the saved config; any other
+    difference is a ``UserInputError`` that names the fields."""
+    saved_file = run_dir / RUN_CONFIG_FILE
+    if not saved_file.is_file():
+        raise UserInputError(
+            f"cannot resume {run_dir}: it has no {RUN_CONFIG_FILE}; pass the directory of a run "
+            "started by `treegrpo train` (OUTPUT_DIR/NAME)"
+        )
+    saved = _read_yaml(str(saved_file))
+    data = _read_yaml(name_or_path) if name_or_path else copy.deepcopy(saved)
+    place = [f"name={run_dir.name}", f"train.output_dir={run_dir.resolve().parent}"]
+    cfg = _validate(data, list(overrides or []) + place, name_or_path or str(saved_file))
+    cfg = cfg.with_absolute_paths()
+    previous = _validate(saved, place, str(saved_file)).with_absolute_paths()
+    changed = _changed_fields(previous.model_dump(mode="json"), cfg.model_dump(mode="json"))
+    frozen = [f for f in changed if not f.startswith(RESUMABLE_CHANGES)]
+    if frozen:
+        raise UserInputError(
+            f"cannot resume {run_dir} with a different {', '.join(frozen)} than it was started "
+            f"with (see {saved_file}); a resumed run may change only train.steps, evaluation and "
+            "checkpoint periods, cluster.* and engine.*"
+        )
+    return cfg
+
+
+def _changed_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the leaves that differ between two nested dicts of the same schema."""
+    changed = []
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            changed += _changed_fields(old[key], value, f"{prefix}{key}.")
+        elif old.get(key) != value:
+            changed.append(f"{prefix}{key}")
+    return changed

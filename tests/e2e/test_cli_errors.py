@@ -1,5 +1,6 @@
 """Bad input at the command line: one line naming the problem and the fix, exit code 2."""
 
+import shutil
 import subprocess
 import sys
 
@@ -102,3 +103,53 @@ def test_existing_run_directory_is_not_mixed_into(treegrpo, tmp_path):
         "train", "tiny-multihop", "--set", "name=old", "--set", f"train.output_dir={tmp_path}"
     )
     _assert_one_line_error(result, str(tmp_path / "old"), "already exists", "--overwrite")
+
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A run directory as `treegrpo train` leaves it: its config, and a checkpoint at step 2."""
+    from treegrpo_ray.config import load_config, save_run_config
+
+    cfg = load_config("tiny-multihop", ["name=stopped", f"train.output_dir={tmp_path}"])
+    save_run_config(cfg.with_absolute_paths())
+    step = cfg.run_dir / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text('{"policy_version": 2}')
+    (cfg.run_dir / "checkpoints" / "latest").write_text("step-000002\n")
+    return cfg.run_dir
+
+
+def test_resume_without_a_saved_config(treegrpo, tmp_path):
+    result = treegrpo("train", "--resume", str(tmp_path))
+    _assert_one_line_error(result, f"cannot resume {tmp_path}", "no config.yaml")
+
+
+def test_resume_without_a_checkpoint(treegrpo, stopped_run):
+    shutil.rmtree(stopped_run / "checkpoints")
+    result = treegrpo("train", "--resume", str(stopped_run))
+    _assert_one_line_error(result, "holds no checkpoint yet", "--overwrite")
+
+
+def test_resume_of_a_run_that_reached_its_steps(treegrpo, stopped_run):
+    result = treegrpo("train", "--resume", str(stopped_run), "--set", "train.steps=2")
+    _assert_one_line_error(result, "checkpoint is at step 2", "--set train.steps=N (N > 2)")
+
+
+def test_resume_refuses_a_change_of_what_is_learned(treegrpo, stopped_run):
+    result = treegrpo(
+        "train",
+        "tiny-multihop",
+        "--resume",
+        str(stopped_run),
+        "--set",
+        "ppo.lr=0.1",
+        "--set",
+        "tree.m=3",
+        "--set",
+        "train.steps=200",
+    )
+    _assert_one_line_error(result, "with a different tree.m, ppo.lr than it was started")
+
+
+def test_train_needs_a_config_or_resume(treegrpo):
+    _assert_one_line_error(treegrpo("train"), "CONFIG", "--resume")

@@ -1,30 +1,47 @@
 """End to end through the real Ray pipeline: local Ray, rollout actor, queue, Ray Train learner."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from cluster.cli import main
 from cluster.train import train
 
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(scope="module")
+def two_step_run(make_cfg, tiny_policy):
+    """``two_step_run(learners)``: (config, summary) of a 2-update run, trained once per module."""
+    runs = {}
+
+    def run(learners: int):
+        if learners not in runs:
+            cfg = make_cfg(
+                f"name=e2e-{learners}",
+                f"cluster.learner_workers={learners}",
+                f"cluster.torch_threads={3 - learners}",  # one thread per core
+                "train.steps=2",
+                "train.prompts_per_step=4",
+                "train.eval_every=1",
+                "train.eval_questions=16",
+                "train.final_eval_questions=16",
+                "train.checkpoint_every=1",
+            )
+            runs[learners] = cfg, train(cfg, progress=False)
+        return runs[learners]
+
+    return run
+
+
 @pytest.mark.parametrize("learners", [1, 2], ids=["1-learner", "2-learners"])
-def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny_policy, learners):
-    cfg = make_cfg(
-        f"name=e2e-{learners}",
-        f"cluster.learner_workers={learners}",
-        f"cluster.torch_threads={3 - learners}",  # one thread per core
-        "train.steps=2",
-        "train.prompts_per_step=4",
-        "train.eval_every=1",
-        "train.eval_questions=16",
-        "train.final_eval_questions=16",
-        "train.checkpoint_every=1",
-    )
-    summary = train(cfg, progress=False)
+def test_two_updates_change_every_parameter_and_reach_the_workers(
+    two_step_run, tiny_policy, learners
+):
+    cfg, summary = two_step_run(learners)
 
     assert summary["rollout/worker_versions"] == [2]
     assert summary["steps"] == 2
@@ -51,3 +68,54 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(make_cfg, tiny
     checkpoints = cfg.run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-000002"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000002"]
+
+
+# Not a function of the seed: wall-clock times, and the prefix-cache counters (the cache is not
+# checkpointed: the uninterrupted run's cache still held the step-1 evaluation's prefixes).
+UNREPEATABLE = (
+    "timing/",
+    "queue/wait_s",
+    "rollout/seconds",
+    "rollout/tokens_per_s",
+    "rollout/cache",
+    "rollout/prefill_tokens",
+    "rollout/cached_tokens",
+    "budget/prefill_tokens",
+    "budget/cached_tokens",
+)
+
+
+def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path):
+    cfg, full = two_step_run(learners=1)
+    # The job dies after publishing step 2 but before checkpointing it: the newest complete
+    # checkpoint is step 1, and metrics.jsonl already has step 2.
+    died = tmp_path / "died"
+    shutil.copytree(cfg.run_dir, died, ignore=shutil.ignore_patterns("ray_train", "checkpoint-*"))
+    shutil.rmtree(died / "checkpoints" / "step-000002")
+    (died / "checkpoints" / "latest").write_text("step-000001\n")
+    (died / "summary.json").unlink()
+
+    assert main(["train", "--resume", str(died), "--quiet"]) == 0
+
+    resumed = json.loads((died / "summary.json").read_text())
+    assert resumed["steps"] == 2 and resumed["rollout/worker_versions"] == [2]
+    records = [_read_records(cfg.run_dir), _read_records(died)]
+    assert [[r["step"] for r in run] for run in records] == [[1, 2], [1, 2]]
+    expected, got = (_repeatable(run[1]) for run in records)
+    assert got == expected  # rewards, tokens, tool calls, cache counters, losses, evaluations
+    for key in ("before/eval/sampled_em", "after/eval/sampled_em", "budget/generated_tokens"):
+        assert resumed[key] == full[key]
+    assert _same_tensors(cfg.run_dir / "checkpoint-final", died / "checkpoint-final")
+
+
+def _read_records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _repeatable(record):
+    return {k: v for k, v in record.items() if not k.startswith(UNREPEATABLE)}
+
+
+def _same_tensors(a, b):
+    first, second = (load_file(str(d / "model.safetensors")) for d in (a, b))
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
