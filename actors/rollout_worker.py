@@ -28,7 +28,7 @@ from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
 from treegrpo_ray.modeling import load_policy, load_tokenizer
 from treegrpo_ray.search import Expansion, TreePlanner
-from treegrpo_ray.tree import AgentStep, Tree, trees_to_arrow
+from treegrpo_ray.tree import AgentStep, Tree, arrow_metadata, trees_to_arrow
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,20 @@ class RolloutWorker:
             "rollout_seconds": time.perf_counter() - start,
         }
         return trees_to_arrow(trees, metadata)
+
+    def expand_leased(self, lease: Lease) -> tuple[dict, pa.Table]:
+        """``expand`` plus a receipt the controller reads without fetching the trees: lease id,
+        group ids, policy version, rollout seconds and the engine's cache counters."""
+        table = self.expand(lease)
+        meta = arrow_metadata(table)
+        receipt = {
+            "lease_id": lease.lease_id,
+            "groups": [group_id for group_id, _ in lease.groups],
+            "policy_version": meta["policy_version"],
+            "rollout_seconds": meta["rollout_seconds"],
+            "cache": self.cache_stats(),
+        }
+        return receipt, table
 
     def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:
         """One chain per sample (greedy when ``temperature`` is 0); returns 1.0/0.0 success each."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
-from ray.util.queue import Queue
+from ray.util.queue import Empty, Queue
 
 
 @dataclass
@@ -42,6 +42,17 @@ class TreeQueue:
         if item.error is not None:
             raise RuntimeError(f"rollout failed: {item.error}")
         return ray.get(item.refs[0])
+
+    def drain(self) -> int:
+        """Drop every queued batch (a rewind); returns how many were dropped."""
+        dropped = 0
+        while not self._queue.empty():
+            try:
+                self._queue.get_nowait()
+            except Empty:
+                break
+            dropped += 1
+        return dropped
 
     def size(self) -> int:
         return self._queue.size()

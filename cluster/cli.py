@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cluster.jobs import JOB_COMMANDS, add_job_commands, run_job_command
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 
 
@@ -46,12 +47,15 @@ def _parser() -> argparse.ArgumentParser:
         "saved config is used; --set train.steps=N extends it)",
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
+    add_job_commands(sub)
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
     from treegrpo_ray.config import load_config, preset_names
 
+    if args.command in JOB_COMMANDS:
+        return run_job_command(args)
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0

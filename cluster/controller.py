@@ -1,31 +1,48 @@
-"""The job's controller: starts rollout workers and the queue, leases prompt groups, publishes
-policy versions, runs held-out evaluations and writes the metrics.
+"""The job's controller: starts the rollout pool and the queue, leases prompt groups, tracks and
+publishes policy versions, runs held-out evaluations, writes the metrics, scales the pool.
 
-It runs as one named Ray actor with several threads: ``run`` (the production loop) occupies one,
-while the learner's ``publish`` calls and the driver's ``wait_records`` polls use the others.
-The controller calls ``worker.expand.remote(lease)`` itself, so it owns every queued tree batch.
+It runs as one named Ray actor (``treegrpo-controller-NAME`` in the ``treegrpo`` namespace) with
+several threads: ``run`` (the lease loop) occupies one, while the learner's ``publish`` calls,
+the driver's ``wait_records`` polls and ``scale`` requests use the others.
+
+Leases: each step's prompt groups are cut into leases of ``prompts_per_step / rollout_workers``
+groups; a lease's groups and seed depend only on the step and the run's seed, so any worker can
+run it. The controller calls ``worker.expand_leased.remote(lease)`` itself: it owns every tree
+batch, and enqueues one only when its receipt (a small separate object) says the lease succeeded.
+A lease whose worker died goes back to the front of the backlog; Ray restarts the worker, which
+gets the current policy before its next lease. Every prompt group thus reaches the learner once
+(``groups/consumed`` and ``groups/duplicates`` in the summary count it).
+
+Streaming: the leases of step ``s`` are issued once the learner's version is at least
+``s - max_policy_lag``; a new version is sent to each worker before its next lease, so with a
+lag of 1 or more the workers keep generating while the learner trains.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import statistics
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
+from ray.util.queue import Full
 from torch.utils.tensorboard import SummaryWriter
 
-from actors.rollout_worker import Lease, RolloutWorker
+from actors.rollout_worker import Lease
 from actors.tree_queue import TreeQueue
-from cluster.engines import rollout_actor_options
+from cluster.rollout_pool import RolloutPool
 from treegrpo_ray.config import RunConfig
 from treegrpo_ray.envs.multihop import MultihopTask
 
+NAMESPACE = "treegrpo"
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
 BUDGET_TOTALS = (
     "budget/generated_tokens",
@@ -33,33 +50,57 @@ BUDGET_TOTALS = (
     "budget/prefill_tokens",
     "budget/cached_tokens",
 )
+PLACEMENT_TIMEOUT_S = 120  # a new rollout worker that cannot be placed by then is given up
+POLL_S = 0.2  # the lease loop's longest wait before it looks at stop / pause / scale requests
+
+
+def controller_name(run_name: str) -> str:
+    """The named actor of run ``run_name`` (in namespace ``NAMESPACE``)."""
+    return f"treegrpo-controller-{run_name}"
 
 
 class MetricsLog:
     """``metrics.jsonl`` plus a TensorBoard log in the run directory.
 
-    Resuming after step ``resume_after``, the records of later steps (written before the job
-    died, and about to be redone) are dropped from both; ``records`` holds the ones kept."""
+    ``rewind(step)`` (a resumed run, a restarted learner) drops the records of later steps, which
+    are about to be redone, from both; ``records`` holds the ones kept."""
 
-    def __init__(self, run_dir: Path, resume_after: int = 0):
+    def __init__(self, run_dir: Path, resume_after: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "metrics.jsonl"
-        self.records = _records_upto(path, resume_after) if resume_after else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        self.jsonl = path.open("a")
-        purge = resume_after + 1 if resume_after else None
-        self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self.tensorboard: SummaryWriter | None = None
+        self.jsonl = None
+        if resume_after is None:
+            self._open([], None)
+        else:
+            self.rewind(resume_after)
 
-    def write(self, step: int, record: dict[str, float]) -> None:
+    def rewind(self, step: int) -> None:
+        self.close()
+        self._open(_records_upto(self.path, step), step + 1)
+
+    def _open(self, records: list[dict[str, Any]], purge_step: int | None) -> None:
+        self.records[:] = records
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        self.jsonl = self.path.open("a")
+        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        self.records.append({"step": step, **record})
         self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
         self.jsonl.flush()
         for key, value in record.items():
-            self.tensorboard.add_scalar(key, value, step)
+            if isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, value, step)
         self.tensorboard.flush()
 
     def close(self) -> None:
-        self.jsonl.close()
-        self.tensorboard.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.tensorboard.close()
+            self.jsonl = None
 
 
 def _records_upto(path: Path, last_step: int) -> list[dict[str, Any]]:
@@ -70,138 +111,275 @@ def _records_upto(path: Path, last_step: int) -> list[dict[str, Any]]:
     return [r for r in records if r["step"] <= last_step]
 
 
+@dataclass
+class InFlight:
+    """A lease being expanded: which worker runs it and the ref of its tree batch."""
+
+    lease: Lease
+    worker_id: int
+    trees: ray.ObjectRef
+
+
 class Controller:
     """Orchestrates one training job (see module docstring).
 
-    ``start_step`` > 0 resumes a run whose learner checkpoint is at that policy version: the
-    workers start from ``model_path`` and produce nothing until the learner has sent the restored
-    policy (``restore``); prompt groups are leased from that step on, as the uninterrupted run
-    would have (leases are a function of the step and the seed)."""
+    ``resume_from``: the policy version of the learner checkpoint a resumed run continues from
+    (None for a new run). The workers start from ``model_path`` and no lease is issued until the
+    learner has sent the restored policy (``restore``)."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, start_step: int = 0):
+    def __init__(self, cfg: RunConfig, model_path: str, resume_from: int | None = None):
         self.cfg = cfg
-        self.start_step = start_step
         task = MultihopTask(cfg.task.multihop)
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
+        self.order = list(range(len(self.train_samples)))
+        random.Random(cfg.train.seed).shuffle(self.order)
+        self.lease_groups = cfg.cluster.groups_per_lease or (
+            cfg.train.prompts_per_step // cfg.cluster.rollout_workers
+        )
         self.queue = TreeQueue(cfg.cluster.queue_size)
-        remote_worker = ray.remote(RolloutWorker).options(**rollout_actor_options(cfg))
-        self.workers = [
-            remote_worker.remote(
-                model_path,
-                cfg.task,
-                cfg.tree,
-                cfg.sampling,
-                cfg.engine,
-                seed=cfg.train.seed + i,
-                torch_threads=cfg.cluster.torch_threads,
-            )
-            for i in range(cfg.cluster.rollout_workers)
-        ]
-        self.version = start_step
-        self.policy_ready = start_step == 0
-        self.changed = threading.Condition()
-        self.log = MetricsLog(cfg.run_dir, resume_after=start_step)
-        self.records: list[dict[str, Any]] = self.log.records
-        self.stopped = False
+        self.pool = RolloutPool(cfg, model_path)
+        for _ in range(cfg.cluster.rollout_workers):
+            self.pool.add(0, None)
+        self.lock = threading.Condition()
+        self.next_step = resume_from or 0
+        self.version = self.next_step
+        self.weights: ray.ObjectRef | None = None  # the newest policy, for workers behind it
+        self.policy_ready = resume_from is None
+        self.backlog: collections.deque[Lease] = collections.deque()
+        self.in_flight: dict[ray.ObjectRef, InFlight] = {}
+        self.consumed: dict[int, list[int]] = {}  # policy version -> groups its update used
+        self.learners: dict[int, dict[str, Any]] = {}
+        self.learner_restarts = 0
+        self.worker_cache: dict[int, dict[str, float]] = {}
+        self.busy_s, self.interval_start = 0.0, time.perf_counter()
+        self.running = self.paused = self.parked = self.stopped = False
         self.failure: str | None = None
+        self.log = MetricsLog(cfg.run_dir, resume_after=resume_from)
         self.evals_file = cfg.run_dir / EVALS_FILE
-        self.evals: dict[str, float] = json.loads(self.evals_file.read_text()) if start_step else {}
+        self.evals: dict[str, float] = (
+            {} if resume_from is None else json.loads(self.evals_file.read_text())
+        )
 
     def get_queue(self) -> TreeQueue:
         return self.queue
 
     def worker_versions(self) -> list[int]:
-        return ray.get([w.policy_version.remote() for w in self.workers])
+        return ray.get([h.policy_version.remote() for h in self.pool.handles()])
 
-    # --- production -------------------------------------------------------------------------
+    # --- the lease loop -----------------------------------------------------------------------
 
     def run(self) -> None:
-        """Lease every step's prompt groups to the workers, at most ``max_policy_lag`` versions
-        ahead of the learner, and enqueue the resulting tree batches."""
-        train = self.cfg.train
-        order = list(range(len(self.train_samples)))
-        random.Random(train.seed).shuffle(order)
+        """Issue leases to idle workers and enqueue finished tree batches until the learner has
+        published its last version (or the job stops)."""
+        with self.lock:
+            self.running = True
         try:
-            for step in range(self.start_step, train.steps):
-                with self.changed:
-                    self.changed.wait_for(
-                        lambda s=step: (
-                            self.stopped
-                            or (self.policy_ready and self.version >= s - train.max_policy_lag)
-                        )
-                    )
-                if self.stopped:
-                    return
-                for ref in self._lease_step(step, order):
-                    self.queue.put(ref)
-        except Exception:
+            while self._wait_while_paused():
+                with self.lock:
+                    self._plan_steps()
+                    self._issue()
+                self._collect(self._ready_receipts())
+        except Exception as err:
+            self.abort(f"rollout failed: {err}")
             self.queue.put_error(traceback.format_exc(limit=5))
             raise
+        finally:
+            with self.lock:
+                self.running = False
+                self.lock.notify_all()
 
-    def _lease_step(self, step: int, order: list[int]) -> list[ray.ObjectRef]:
-        per_step = self.cfg.train.prompts_per_step
-        share = per_step // len(self.workers)
-        refs = []
-        for w, worker in enumerate(self.workers):
-            first = step * per_step + w * share
+    def _wait_while_paused(self) -> bool:
+        """Park while ``restore`` rewinds the job; False once the loop should end."""
+        with self.lock:
+            if self.paused:
+                self.parked = True
+                self.lock.notify_all()
+                self.lock.wait_for(lambda: not self.paused or self.stopped)
+                self.parked = False
+            return not self.stopped and self.version < self.cfg.train.steps
+
+    def _plan_steps(self) -> None:
+        """Queue the leases of every step the staleness bound allows now."""
+        train = self.cfg.train
+        while (
+            self.policy_ready
+            and self.next_step < train.steps
+            and self.version >= self.next_step - train.max_policy_lag
+        ):
+            self.backlog.extend(self._leases(self.next_step))
+            self.next_step += 1
+
+    def _leases(self, step: int) -> list[Lease]:
+        """The leases of ``step``: a function of the step and the run's seed only."""
+        per_step, size = self.cfg.train.prompts_per_step, self.lease_groups
+        count = per_step // size
+        leases = []
+        for j in range(count):
+            first = step * per_step + j * size
             groups = tuple(
-                (g, self.train_samples[order[g % len(order)]]) for g in range(first, first + share)
+                (g, self.train_samples[self.order[g % len(self.order)]])
+                for g in range(first, first + size)
             )
-            lease_id = step * len(self.workers) + w
-            lease = Lease(
-                lease_id=lease_id, groups=groups, seed=self.cfg.train.seed * 7919 + lease_id
-            )
-            refs.append(worker.expand.remote(lease))
-        return refs
+            lease_id = step * count + j
+            leases.append(Lease(lease_id, groups, seed=self.cfg.train.seed * 7919 + lease_id))
+        return leases
 
-    # --- policy versions and evaluation ----------------------------------------------------
+    def _issue(self) -> None:
+        """Give the next leases to workers without one, each on the newest policy."""
+        self.pool.check_probes()
+        busy = {item.worker_id for item in self.in_flight.values()}
+        for worker_id in self.pool.usable():
+            if not self.backlog:
+                return
+            if worker_id in busy:
+                continue
+            self._bring_up_to_date(worker_id)
+            lease = self.backlog.popleft()
+            handle = self.pool.workers[worker_id].handle
+            receipt, trees = handle.expand_leased.options(num_returns=2).remote(lease)
+            self.in_flight[receipt] = InFlight(lease, worker_id, trees)
+            self.lock.notify_all()
+
+    def _bring_up_to_date(self, worker_id: int) -> None:
+        worker = self.pool.workers[worker_id]
+        if worker.version == self.version:
+            return
+        if self.weights is None:  # nothing published yet: every instance starts on it
+            worker.version = self.version
+        else:
+            self.pool.sync(worker_id, self.version, self.weights)
+
+    def _ready_receipts(self) -> list[ray.ObjectRef]:
+        with self.lock:
+            pending = list(self.in_flight)
+            if not pending:
+                self.lock.wait(POLL_S)
+                return []
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        return ready
+
+    def _collect(self, receipts: list[ray.ObjectRef]) -> None:
+        """Enqueue the batches of finished leases; put back the leases of dead workers."""
+        for ref in receipts:
+            failure: RayActorError | None = None
+            try:
+                receipt = ray.get(ref)
+            except RayActorError as err:
+                failure = err
+            with self.lock:
+                item = self.in_flight.pop(ref, None)
+                if item is None:  # dropped by a rewind
+                    continue
+                if failure is not None:
+                    self.backlog.appendleft(item.lease)
+                    self.pool.lost_lease(item.worker_id, failure)
+                else:
+                    self.busy_s += receipt["rollout_seconds"]
+                    self.worker_cache[item.worker_id] = receipt["cache"]
+                    self._retire_if_asked(item.worker_id)
+            if failure is None:
+                self._enqueue(item.trees)
+
+    def _enqueue(self, trees: ray.ObjectRef) -> None:
+        """Put a batch in the queue, waiting while it is full (backpressure)."""
+        while not (self.stopped or self.paused):
+            try:
+                self.queue.put(trees, timeout=POLL_S)
+                return
+            except Full:
+                continue
+
+    # --- policy versions and evaluation -------------------------------------------------------
+
+    def register_learner(self, rank: int, info: dict[str, Any]) -> bool:
+        """A learner worker says where it runs (node id, pid); True when that rank has started
+        before in this job (Ray Train restarted the group: the job must be rewound)."""
+        with self.lock:
+            restarted = rank in self.learners
+            self.learners[rank] = info
+            self.learner_restarts += int(restarted and rank == 0)
+            return restarted
 
     def publish(
-        self, version: int, weights: list[ray.ObjectRef], metrics: dict[str, float]
+        self,
+        version: int,
+        weights: list[ray.ObjectRef],
+        metrics: dict[str, float],
+        groups: list[int],
     ) -> None:
-        """Load policy ``version`` into every worker, evaluate when due, record the step."""
-        metrics.update(self._engine_cache_metrics())
-        start = time.perf_counter()
-        ray.get([w.load_weights.remote(version, weights[0]) for w in self.workers])
-        metrics["timing/weight_sync"] = time.perf_counter() - start
+        """Record policy ``version`` (the update consumed ``groups``); workers get it before
+        their next lease. Evaluates when due, on every worker synced first."""
+        with self.lock:
+            self.weights, self.version = weights[0], version
+            self.consumed[version] = list(groups)
+            metrics.update(self._pipeline_metrics())
+            self.lock.notify_all()
         train = self.cfg.train
         if version == train.steps:
             metrics.update(self.final_evaluation("after"))
         elif train.eval_every and version % train.eval_every == 0:
             metrics["eval/greedy_em"] = self.evaluate(train.eval_questions, temperature=0.0)
-        with self.changed:
-            self.version = version
-            self.records.append({"step": version, **metrics})
+        with self.lock:
             self.log.write(version, metrics)
-            self.changed.notify_all()
+            self.lock.notify_all()
+
+    def _pipeline_metrics(self) -> dict[str, float]:
+        """Queue length, rollout idle share since the last version, the workers' KV caches."""
+        now = time.perf_counter()
+        capacity = max(len(self.pool.active()) * (now - self.interval_start), 1e-9)
+        metrics = {
+            "queue/size": float(self.queue.size()),
+            "rollout/idle_frac": max(0.0, 1.0 - self.busy_s / capacity),
+            "rollout/workers": float(len(self.pool.active())),
+            "rollout/worker_restarts": float(self.pool.restarts),
+            "rollout/cache_bytes": sum(c["bytes"] for c in self.worker_cache.values()),
+            "rollout/cache_evictions": sum(c["evictions"] for c in self.worker_cache.values()),
+        }
+        self.busy_s, self.interval_start = 0.0, now
+        return metrics
 
     def restore(self, version: int, weights: list[ray.ObjectRef]) -> None:
-        """Load the resumed learner's policy ``version`` into every worker; production starts."""
-        ray.get([w.load_weights.remote(version, weights[0]) for w in self.workers])
-        with self.changed:
-            self.version = version
-            self.policy_ready = True
-            self.changed.notify_all()
+        """A learner (re)started from its checkpoint at ``version``: rewind the job to it.
 
-    def _engine_cache_metrics(self) -> dict[str, float]:
-        """KV held by the workers' prefix caches now and evictions since start (all workers)."""
-        stats = ray.get([w.cache_stats.remote() for w in self.workers])
-        return {
-            "rollout/cache_bytes": float(sum(s["bytes"] for s in stats)),
-            "rollout/cache_evictions": float(sum(s["evictions"] for s in stats)),
-        }
+        Leases in flight and queued batches are dropped, as are the records and consumed groups
+        of later versions; every worker loads the checkpoint's policy; leasing restarts at step
+        ``version``, so the redone steps see the prompt groups the lost ones saw."""
+        with self.lock:
+            self.paused = True
+            self.lock.wait_for(lambda: self.parked or not self.running or self.stopped)
+            self.in_flight.clear()
+            self.backlog.clear()
+            self.queue.drain()
+            self.consumed = {v: g for v, g in self.consumed.items() if v <= version}
+            self.log.rewind(version)
+            self.weights, self.version, self.next_step = weights[0], version, version
+            refs = [self.pool.sync(w, version, weights[0]) for w in self.pool.active()]
+        ray.get(refs)
+        with self.lock:
+            self.policy_ready, self.paused = True, False
+            self.lock.notify_all()
+
+    def _sync_all(self) -> None:
+        """Every worker on the newest policy (waits for their current leases)."""
+        with self.lock:
+            refs = [
+                self.pool.sync(w, self.version, self.weights)
+                for w in self.pool.active()
+                if self.weights is not None and self.pool.workers[w].version != self.version
+            ]
+        ray.get(refs)
 
     def evaluate(self, questions: int, temperature: float) -> float:
         """Held-out success rate (one chain per question), sharded over the workers."""
+        self._sync_all()
+        with self.lock:
+            handles = [self.pool.workers[w].handle for w in self.pool.active()]
         samples = self.heldout[:questions]
-        shards = [samples[i :: len(self.workers)] for i in range(len(self.workers))]
+        shards = [samples[i :: len(handles)] for i in range(len(handles))]
         seed = self.cfg.train.seed + 104729
         results = ray.get(
-            [
-                w.evaluate.remote(s, temperature, seed)
-                for w, s in zip(self.workers, shards, strict=True)
-            ]
+            [h.evaluate.remote(s, temperature, seed) for h, s in zip(handles, shards, strict=True)]
         )
         return statistics.fmean(x for shard in results for x in shard)
 
@@ -216,25 +394,99 @@ class Controller:
         self.evals_file.write_text(json.dumps(self.evals, indent=2))
         return result
 
-    # --- for the driver ---------------------------------------------------------------------
+    # --- scaling ------------------------------------------------------------------------------
 
-    def wait_records(self, after: int, timeout: float) -> list[dict[str, Any]]:
-        """Step records newer than step ``after``; waits up to ``timeout`` seconds for one."""
-        with self.changed:
-            self.changed.wait_for(lambda: len(self.records) > after or self.stopped, timeout)
-            return self.records[after:]
+    def scale(self, rollout_workers: int) -> dict[str, Any]:
+        """Grow or shrink the rollout pool to ``rollout_workers`` without touching the learners.
+
+        New workers load the newest policy before they take a lease; a removed worker finishes
+        the lease it holds (its batch is enqueued) and is then stopped. Returns when done."""
+        if rollout_workers < 1:
+            raise ValueError(f"rollout_workers must be at least 1, got {rollout_workers}")
+        with self.lock:
+            active = self.pool.active()
+            added = [
+                self.pool.add(self.version, self.weights)
+                for _ in range(rollout_workers - len(active))
+            ]
+            self.pool.wait_placed(added, timeout=PLACEMENT_TIMEOUT_S)
+            leaving = active[rollout_workers:]
+            for worker_id in leaving:
+                self.pool.workers[worker_id].retiring = True
+                self._retire_if_asked(worker_id)
+            self.lock.wait_for(
+                lambda: self.stopped or not any(w in self.pool.workers for w in leaving)
+            )
+            version = self.version
+            handles = [self.pool.workers[w].handle for w in added]
+        return {
+            "rollout_workers": len(self.pool.active()),
+            "policy_version": version,
+            "added_versions": ray.get([h.policy_version.remote() for h in handles]),
+        }
+
+    def _retire_if_asked(self, worker_id: int) -> None:
+        """Stop a retiring worker once it holds no lease (caller holds the lock)."""
+        worker = self.pool.workers.get(worker_id)
+        holds_lease = any(item.worker_id == worker_id for item in self.in_flight.values())
+        if worker is not None and worker.retiring and not holds_lease:
+            self.pool.remove(worker_id)
+            self.lock.notify_all()
+
+    # --- for the driver -----------------------------------------------------------------------
+
+    def wait_records(self, after_step: int, timeout: float) -> list[dict[str, Any]]:
+        """Step records of steps after ``after_step``; waits up to ``timeout`` s for one."""
+        with self.lock:
+            self.lock.wait_for(
+                lambda: self.stopped or any(r["step"] > after_step for r in self.log.records),
+                timeout,
+            )
+            return [r for r in self.log.records if r["step"] > after_step]
 
     def summary(self) -> dict[str, Any]:
         totals: dict[str, float] = {}
-        for record in self.records:
+        for record in self.log.records:
             for key in BUDGET_TOTALS:
                 totals[key] = totals.get(key, 0.0) + record.get(key, 0.0)
+        counts = collections.Counter(g for groups in self.consumed.values() for g in groups)
         return {
             **self.evals,
             **totals,
-            "steps": len(self.records),
+            "steps": len(self.log.records),
+            "groups/consumed": len(counts),
+            "groups/duplicates": sum(1 for n in counts.values() if n > 1),
+            "learner/restarts": self.learner_restarts,
             "rollout/worker_versions": self.worker_versions(),
+            "placement": self.placement(),
         }
+
+    def consumed_groups(self) -> dict[int, list[int]]:
+        """Prompt groups each policy version's update consumed."""
+        return dict(self.consumed)
+
+    def placement(self) -> dict[str, list[str]]:
+        """Node ids of the rollout workers and of the learner ranks (in rank order)."""
+        node_ids = ray.get(
+            [
+                h.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+                for h in self.pool.handles()
+            ]
+        )
+        learners = [self.learners[rank]["node_id"] for rank in sorted(self.learners)]
+        return {"rollout": node_ids, "learner": learners}
+
+    def learner_processes(self) -> dict[int, dict[str, Any]]:
+        """Learner ranks: node id and pid (``register_learner``)."""
+        return dict(self.learners)
+
+    def workers_with_lease(self, timeout: float) -> dict[int, Any]:
+        """Handles of the rollout workers running a lease, by worker id; waits up to
+        ``timeout`` s for one (observability, and fault tests kill one mid-step)."""
+        with self.lock:
+            self.lock.wait_for(lambda: self.in_flight or self.stopped, timeout)
+            busy = {item.worker_id for item in self.in_flight.values()}
+            return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
 
     def abort(self, reason: str) -> None:
         """The learner stopped the run (``reason`` says why and what it saved)."""
@@ -245,7 +497,12 @@ class Controller:
         return self.failure
 
     def stop(self) -> None:
-        with self.changed:
+        with self.lock:
             self.stopped = True
-            self.changed.notify_all()
-        self.log.close()
+            self.lock.notify_all()
+            self.log.close()
+
+    def shutdown(self) -> None:
+        """Stop the loop and the rollout workers."""
+        self.stop()
+        self.pool.shutdown()

@@ -7,22 +7,24 @@ the controller's step records, and prints a closing summary.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.train import FailureConfig, ScalingConfig
 from ray.train import RunConfig as RayRunConfig
-from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
-from cluster.controller import Controller
+from cluster.controller import NAMESPACE, Controller, controller_name
 from learners.checkpoint import latest_checkpoint
 from learners.learner import train_loop_per_worker
 from learners.warmstart import warm_start
@@ -41,20 +43,57 @@ def resolve_model_path(cfg: RunConfig, progress: bool = True) -> str:
 
 
 def _connect(cfg: RunConfig) -> bool:
-    """Connect to ``cluster.address`` or start a local Ray; True when this call started it."""
+    """Join ``cluster.address`` (or ``RAY_ADDRESS``, set for a Ray Jobs entrypoint) or start a
+    local Ray sized for the config; True when this call started Ray."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, logging_level="WARNING")
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
         return True
-    cluster = cfg.cluster
-    cpus = (
-        cluster.rollout_workers * cluster.rollout_cpus
-        + cluster.learner_workers * cluster.learner_cpus
+    need = required_resources(cfg)
+    ray.init(
+        num_cpus=math.ceil(need.pop("CPU")),
+        num_gpus=math.ceil(need.pop("GPU", 0)),
+        resources=need,
+        namespace=NAMESPACE,
+        dashboard_host="127.0.0.1",
+        logging_level="WARNING",
+        log_to_driver=False,
     )
-    ray.init(num_cpus=math.ceil(cpus), logging_level="WARNING", log_to_driver=False)
     return True
+
+
+def required_resources(cfg: RunConfig) -> dict[str, float]:
+    """Ray resources the job reserves: rollout pool plus learner group (vLLM GPUs included)."""
+    cluster = cfg.cluster
+    need: dict[str, float] = collections.Counter()
+    rollout_gpus = cfg.engine.vllm.tensor_parallel_size if cfg.engine.kind == "vllm" else 0
+    pools = (
+        (cluster.rollout_workers, {"CPU": cluster.rollout_cpus, "GPU": rollout_gpus}),
+        (cluster.learner_workers, {"CPU": cluster.learner_cpus, "GPU": cluster.learner_gpus}),
+    )
+    for count, per_worker in pools:
+        for key, amount in per_worker.items():
+            need[key] += count * amount
+    for key, amount in cluster.rollout_resources.items():
+        need[key] += cluster.rollout_workers * amount
+    for key, amount in cluster.learner_resources.items():
+        need[key] += cluster.learner_workers * amount
+    return {key: amount for key, amount in need.items() if amount or key == "CPU"}
+
+
+def check_resources(cfg: RunConfig) -> None:
+    """Refuse a config that asks for more of a resource than the whole cluster has."""
+    have = ray.cluster_resources()
+    for key, amount in required_resources(cfg).items():
+        if amount > have.get(key, 0.0) + 1e-9:
+            raise UserInputError(
+                f"the config asks for {amount:g} {key} (rollout and learner workers together) but "
+                f"the Ray cluster has {have.get(key, 0.0):g}; lower cluster.rollout_workers / "
+                "learner_workers or their per-worker resources, or add nodes"
+            )
 
 
 def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:
@@ -69,7 +108,7 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
     seen, em = 0, None
     while fit_thread.is_alive() or seen < steps:
         records = ray.get(controller.wait_records.remote(seen, timeout=1.0))
-        for record in records:
+        for record in records:  # after a learner restart, steps already shown are redone
             em = record.get("eval/greedy_em", em)
             postfix = {
                 "reward": f"{record['tree/reward_mean']:.3f}",
@@ -78,8 +117,11 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
             if em is not None:
                 postfix["greedy_em"] = f"{em:.3f}"
             bar.set_postfix(postfix)
-            bar.update(1)
-        seen += len(records)
+            bar.update(record["step"] - bar.n)
+        seen = max([seen] + [r["step"] for r in records])
+        failure = ray.get(controller.failure_reason.remote())
+        if failure:
+            raise TrainingStopped(failure)
         if not fit_thread.is_alive() and not records:
             break
     bar.close()
@@ -136,28 +178,54 @@ def resume_step(cfg: RunConfig) -> int:
     return step
 
 
+def _learner_scaling(cfg: RunConfig) -> ScalingConfig:
+    """The learner group: ``learner_workers`` ranks, each with its CPUs, GPUs and resources."""
+    cluster = cfg.cluster
+    resources = {"CPU": cluster.learner_cpus, **cluster.learner_resources}
+    if cluster.learner_gpus:
+        resources["GPU"] = cluster.learner_gpus
+    return ScalingConfig(
+        num_workers=cluster.learner_workers,
+        use_gpu=cluster.learner_gpus > 0,
+        resources_per_worker=resources,
+    )
+
+
 def train(
-    cfg: RunConfig, progress: bool = True, overwrite: bool = False, resume: bool = False
+    cfg: RunConfig,
+    progress: bool = True,
+    overwrite: bool = False,
+    resume: bool = False,
+    on_start: Callable[[Any], None] | None = None,
 ) -> dict[str, Any]:
     """Run one training job to the end; returns the summary (also written to summary.json).
 
     ``resume``: continue the run in ``cfg.run_dir`` from its newest checkpoint (the config comes
-    from ``treegrpo_ray.config.resume_config``); otherwise the run directory must be new."""
+    from ``treegrpo_ray.config.resume_config``); otherwise the run directory must be new.
+    ``on_start``: called with the controller's actor handle once it exists (monitoring)."""
     start = time.perf_counter()
     cfg = cfg.with_absolute_paths()
-    if resume:
-        start_step = resume_step(cfg)
-    else:
+    resume_from = resume_step(cfg) if resume else None
+    if not resume:
         _claim_run_dir(cfg.run_dir, overwrite)
-        start_step = 0
     save_run_config(cfg)
     model_path = resolve_model_path(cfg, progress)
     started_ray = _connect(cfg)
+    try:
+        check_resources(cfg)
+    except UserInputError:
+        if started_ray:
+            ray.shutdown()
+        raise
     controller = (
         ray.remote(Controller)
-        .options(name=f"treegrpo-controller-{cfg.name}", max_concurrency=8, num_cpus=0)
-        .remote(cfg, model_path, start_step)
+        .options(
+            name=controller_name(cfg.name), namespace=NAMESPACE, max_concurrency=16, num_cpus=0
+        )
+        .remote(cfg, model_path, resume_from)
     )
+    if on_start is not None:
+        on_start(controller)
     try:
         if not resume:
             ray.get(controller.final_evaluation.remote("before"))
@@ -165,12 +233,11 @@ def train(
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
-            scaling_config=ScalingConfig(
-                num_workers=cfg.cluster.learner_workers,
-                resources_per_worker={"CPU": cfg.cluster.learner_cpus},
-            ),
+            scaling_config=_learner_scaling(cfg),
             run_config=RayRunConfig(
-                name=cfg.name, storage_path=str((cfg.run_dir / "ray_train").resolve())
+                name=cfg.name,
+                storage_path=str((cfg.run_dir / "ray_train").resolve()),
+                failure_config=FailureConfig(max_failures=cfg.cluster.learner_max_failures),
             ),
         )
         outcome: dict[str, Any] = {}
@@ -186,7 +253,7 @@ def train(
         ray.get(production)
         summary = ray.get(controller.summary.remote())
     finally:
-        ray.get(controller.stop.remote())
+        ray.get(controller.shutdown.remote())
         ray.kill(controller)
         if started_ray:
             ray.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from fnmatch import fnmatch
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -189,6 +190,13 @@ class PPOConfig(_Section):
         False,
         description="Use the rollout engine's log-probs as old log-probs instead of recomputing.",
     )
+    is_cap: float = Field(
+        2.0,
+        ge=0,
+        description="Truncation of the importance weight pi/mu applied to the pg term of tokens "
+        "sampled by an older policy (max_policy_lag > 0; docs/algorithm.md); 0 turns the "
+        "correction off.",
+    )
     loss_mode: Literal["paper", "mean"] = Field(
         "paper",
         description="paper: each node carries the advantage mass of the leaves below it, so the "
@@ -237,8 +245,32 @@ class ClusterConfig(_Section):
         1, gt=0, description="Ray Train learner workers (data parallel; gloo on CPU, nccl on GPU)."
     )
     learner_cpus: float = Field(1, gt=0, description="CPUs reserved per learner worker.")
+    learner_gpus: float = Field(
+        0, ge=0, description="GPUs per learner worker (> 0: nccl and the model on CUDA)."
+    )
+    rollout_resources: dict[str, float] = Field(
+        {},
+        description="Custom Ray resources each rollout worker needs, e.g. {rollout_node: 1} to "
+        "place the rollout pool on nodes started with --resources '{\"rollout_node\": 8}'.",
+    )
+    learner_resources: dict[str, float] = Field(
+        {}, description="Custom Ray resources each learner worker needs (see rollout_resources)."
+    )
+    rollout_max_restarts: int = Field(
+        3, ge=-1, description="Restarts of a rollout worker that died (-1: unlimited)."
+    )
+    learner_max_failures: int = Field(
+        2, ge=-1, description="Ray Train restarts of the learner group from the last checkpoint."
+    )
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per process.")
     queue_size: int = Field(4, gt=0, description="Tree batches the queue holds before blocking.")
+    groups_per_lease: int | None = Field(
+        None,
+        gt=0,
+        description="Prompt groups per lease (the unit a rollout worker expands and a dead "
+        "worker's replacement redoes); null: prompts_per_step / rollout_workers. Must divide "
+        "train.prompts_per_step.",
+    )
 
 
 class RunConfig(_Section):
@@ -255,11 +287,17 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_batching(self) -> RunConfig:
-        if self.train.prompts_per_step % self.cluster.rollout_workers:
+        lease = self.cluster.groups_per_lease
+        if lease is None and self.train.prompts_per_step % self.cluster.rollout_workers:
             raise ValueError(
                 f"train.prompts_per_step ({self.train.prompts_per_step}) must be a multiple of "
                 f"cluster.rollout_workers ({self.cluster.rollout_workers}) so every worker gets "
-                "the same share; change one of them"
+                "the same share; change one of them or set cluster.groups_per_lease"
+            )
+        if lease is not None and self.train.prompts_per_step % lease:
+            raise ValueError(
+                f"cluster.groups_per_lease ({lease}) must divide train.prompts_per_step "
+                f"({self.train.prompts_per_step}); change one of them"
             )
         return self
 
@@ -356,8 +394,11 @@ RESUMABLE_CHANGES = (
     "train.eval_every",
     "train.eval_questions",
     "train.checkpoint_every",
-    "cluster.",
-    "engine.",
+    "ppo.lr",
+    "ppo.grad_clip",
+    "ppo.micro_batch_tokens",
+    "cluster.*",
+    "engine.*",
 )
 
 
@@ -389,12 +430,12 @@ def resume_config(
     cfg = cfg.with_absolute_paths()
     previous = _validate(saved, place, str(saved_file)).with_absolute_paths()
     changed = _changed_fields(previous.model_dump(mode="json"), cfg.model_dump(mode="json"))
-    frozen = [f for f in changed if not f.startswith(RESUMABLE_CHANGES)]
+    frozen = [f for f in changed if not any(fnmatch(f, p) for p in RESUMABLE_CHANGES)]
     if frozen:
         raise UserInputError(
             f"cannot resume {run_dir} with a different {', '.join(frozen)} than it was started "
-            f"with (see {saved_file}); a resumed run may change only train.steps, evaluation and "
-            "checkpoint periods, cluster.* and engine.*"
+            f"with (see {saved_file}); a resumed run may change only "
+            + ", ".join(RESUMABLE_CHANGES)
         )
     return cfg
 

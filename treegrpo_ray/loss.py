@@ -103,9 +103,14 @@ def routed_ppo_loss(
     loss_mask: torch.Tensor,
     denominator: float,
     coef: PPOCoefficients,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``pg + kl_coef·KL - entropy_coef·H`` of packed tokens, summed and divided by
     ``denominator``, and its parts (for metrics).
+
+    ``is_weights`` (same shape as ``logprobs``, no gradient): per-token importance weights that
+    multiply the pg term, the truncated off-policy correction for tokens sampled by an older
+    policy (``truncated_is_weights``); None means 1 everywhere.
 
     logprobs, old_logprobs, ref_logprobs, entropy, loss_mask: one packed row (T,) or rows (R, T);
     ``routed`` holds the routing of the same tokens (advantages and leaves (K, ...), weights
@@ -127,7 +132,8 @@ def routed_ppo_loss(
     def total(values: torch.Tensor) -> torch.Tensor:
         return (values * loss_mask).sum() / denominator
 
-    pg_loss = total(pg.sum(0))
+    pg_tokens = pg.sum(0) if is_weights is None else pg.sum(0) * is_weights
+    pg_loss = total(pg_tokens)
     kl = k3_kl(logprobs, ref_logprobs)
     kl_loss = total(kl * routed.weights)
     entropy_mean = total(entropy * routed.weights)
@@ -144,3 +150,16 @@ def routed_ppo_loss(
         "learner/approx_kl_old": total((old_logprobs - logprobs) * routed.weights).item(),
     }
     return loss, stats
+
+
+def truncated_is_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    stale: torch.Tensor,
+    cap: float,
+) -> torch.Tensor:
+    """``min(π_prox(a)/μ(a), cap)`` on ``stale`` tokens (sampled by an older policy μ), 1 on the
+    others; all inputs of one shape, the log-probs detached. With the current policy as π_prox
+    this is decoupled PPO's behaviour correction, truncated as in IMPALA / V-trace."""
+    ratio = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=cap)
+    return torch.where(stale, ratio, torch.ones_like(ratio))

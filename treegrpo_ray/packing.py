@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages, route_to_nodes
+from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.modifiers import NodeModifiers
 from treegrpo_ray.tree import ROOT, Tree
 
@@ -126,7 +127,8 @@ class PackedBatch:
     token_node: (R, T) long, the token's node as an index into the batch's nodes (trees in
         order, then node ids), -1 on prompt and padding tokens.
     node_leaves: (N, L) float, 1 where leaf l is node n or lies below it.
-    node_depths: (N,) long, each node's ``AgentStep.depth``; node_roles: N role names.
+    node_depths: (N,) long, each node's ``AgentStep.depth``; node_versions: (N,) long, the policy
+        version that generated it; node_roles: N role names.
     rewards, tree_ids, group_ids, policy_version, leaf_depths: (L,) per leaf, in the order of
         ``expand_paths``.
     path_tokens: tokens path expansion would forward: the sum of the path lengths (no padding).
@@ -142,6 +144,7 @@ class PackedBatch:
     token_node: torch.Tensor
     node_leaves: torch.Tensor
     node_depths: torch.Tensor
+    node_versions: torch.Tensor
     node_roles: list[str]
     rewards: torch.Tensor
     tree_ids: torch.Tensor
@@ -149,6 +152,11 @@ class PackedBatch:
     policy_version: torch.Tensor
     leaf_depths: torch.Tensor
     path_tokens: int
+
+    def stale_actions(self, version: int) -> torch.Tensor:
+        """(R, T) bool: action tokens sampled by a policy older than ``version``."""
+        token_version = self.node_versions[self.token_node.clamp(min=0)]
+        return (self.loss_mask > 0) & (self.token_node >= 0) & (token_version < version)
 
     @property
     def num_rows(self) -> int:
@@ -264,8 +272,8 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
     laid_out = [_tree_tokens(tree) for tree in trees]
     for tree, tokens in zip(trees, laid_out, strict=True):
         if len(tokens.ids) > micro_batch_tokens:
-            raise ValueError(
-                f"tree {tree.tree_id} has {len(tokens.ids)} tokens but micro_batch_tokens is "
+            raise UserInputError(
+                f"tree {tree.tree_id} has {len(tokens.ids)} tokens but ppo.micro_batch_tokens is "
                 f"{micro_batch_tokens}; a tree is never split or truncated, so raise "
                 "ppo.micro_batch_tokens to at least the largest tree"
             )
@@ -320,6 +328,9 @@ def _leaf_fields(trees: list[Tree]) -> dict:
     return dict(
         node_leaves=node_leaves,
         node_depths=torch.tensor([tree.node(n).depth for tree, n in nodes], dtype=torch.long),
+        node_versions=torch.tensor(
+            [tree.node(n).policy_version for tree, n in nodes], dtype=torch.long
+        ),
         node_roles=[tree.node(n).role for tree, n in nodes],
         rewards=torch.tensor([leaf.reward for _, leaf in leaves], dtype=torch.float32),
         tree_ids=torch.tensor([tree.tree_id for tree, _ in leaves]),

@@ -142,13 +142,13 @@ def test_resume_refuses_a_change_of_what_is_learned(treegrpo, stopped_run):
         "--resume",
         str(stopped_run),
         "--set",
-        "ppo.lr=0.1",
+        "ppo.kl_coef=0.1",
         "--set",
         "tree.m=3",
         "--set",
         "train.steps=200",
     )
-    _assert_one_line_error(result, "with a different tree.m, ppo.lr than it was started")
+    _assert_one_line_error(result, "with a different tree.m, ppo.kl_coef than it was started")
 
 
 def test_train_needs_a_config_or_resume(treegrpo):

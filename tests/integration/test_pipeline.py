@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from cluster.cli import main
@@ -74,7 +75,9 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(
 # checkpointed: the uninterrupted run's cache still held the step-1 evaluation's prefixes).
 UNREPEATABLE = (
     "timing/",
-    "queue/wait_s",
+    "queue/",
+    "learner/idle_frac",
+    "rollout/idle_frac",
     "rollout/seconds",
     "rollout/tokens_per_s",
     "rollout/cache",
@@ -119,3 +122,26 @@ def _repeatable(record):
 def _same_tensors(a, b):
     first, second = (load_file(str(d / "model.safetensors")) for d in (a, b))
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_tree_over_the_token_budget_stops_the_run_resumably(make_cfg, tmp_path, capsys):
+    cfg = make_cfg(
+        "name=over-budget",
+        "ppo.micro_batch_tokens=32",  # smaller than any tree of this task
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "train.final_eval_questions=8",
+    )
+    config_file = tmp_path / "over-budget.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+
+    assert main(["train", str(config_file), "--quiet"]) == 1
+
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("treegrpo: training stopped: tree ")
+    assert "ppo.micro_batch_tokens is 32" in message and "treegrpo train --resume" in message
+    assert (cfg.run_dir / "checkpoint-last-good" / "model.safetensors").is_file()
+    assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == "step-000000"
+    resume = ["train", "--resume", str(cfg.run_dir), "--quiet"]
+    assert main([*resume, "--set", "ppo.micro_batch_tokens=512"]) == 0
+    assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 1

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from treegrpo_ray.loss import PPOCoefficients, dual_clip_pg_losses, k3_kl, ppo_loss
+from treegrpo_ray.loss import (
+    PPOCoefficients,
+    dual_clip_pg_losses,
+    k3_kl,
+    ppo_loss,
+    routed_ppo_loss,
+    truncated_is_weights,
+)
 
 
 def test_ppo_loss_matches_hand_computed_value():
@@ -64,3 +71,31 @@ def test_gradient_flows_only_through_masked_tokens():
     loss.backward()
     # d/dlogp of -A * exp(logp - old) at ratio 1 is -A = -1, divided by 2 masked tokens
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, 0.0, -0.5]]))
+
+
+def test_truncated_is_weights_by_hand():
+    proximal = torch.tensor([-1.0, -1.0, -2.0, -0.5])
+    behaviour = torch.tensor([-1.5, -0.5, -2.0, -2.0])
+    stale = torch.tensor([True, True, True, False])
+    weights = truncated_is_weights(proximal, behaviour, stale, cap=1.5)
+    # exp(0.5) = 1.6487 -> capped 1.5; exp(-0.5) = 0.6065; exp(0) = 1; not stale -> 1
+    assert torch.allclose(weights, torch.tensor([1.5, math.exp(-0.5), 1.0, 1.0]))
+
+
+def test_is_weights_scale_the_policy_gradient_term_only():
+    from treegrpo_ray.advantage import RoutedAdvantages
+
+    logprobs = torch.tensor([-1.0, -2.0], requires_grad=True)
+    routed = RoutedAdvantages(
+        advantages=torch.tensor([[1.0, -1.0]]),
+        leaves=torch.ones(1, 2),
+        weights=torch.ones(2),
+    )
+    coef = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.0, entropy_coef=0.0)
+    args = (logprobs, logprobs.detach(), logprobs.detach(), torch.zeros(2), routed)
+    loss, _ = routed_ppo_loss(*args, torch.ones(2), 2.0, coef, torch.tensor([0.5, 2.0]))
+    # ratio 1 on both tokens: pg = (-1 * 0.5 + 1 * 2.0) / 2 = 0.75
+    assert loss.item() == pytest.approx(0.75)
+    loss.backward()
+    # d/dlogp of -A * w * exp(logp - old) / 2 at ratio 1: -A * w / 2
+    assert torch.allclose(logprobs.grad, torch.tensor([-0.25, 1.0]))

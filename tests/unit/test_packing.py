@@ -159,7 +159,7 @@ def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
 
 
 def test_a_tree_over_the_token_budget_is_rejected_with_its_sizes():
-    with pytest.raises(ValueError, match="tree 0 has 8 tokens but micro_batch_tokens is 7"):
+    with pytest.raises(ValueError, match="tree 0 has 8 tokens but ppo.micro_batch_tokens is 7"):
         pack_trees([_hand_tree()], micro_batch_tokens=7, pad_token_id=0)
 
 

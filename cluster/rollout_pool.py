@@ -1,0 +1,167 @@
+"""The rollout workers of one job as restartable Ray actors, each in its own placement group.
+
+A worker is created with ``max_restarts`` (a killed worker comes back as a fresh instance, on the
+initial policy) and ``max_task_retries=0`` (the lease it was running fails instead of being
+replayed on an instance with the wrong policy): the controller re-issues the lease and calls
+``needs_sync`` so the restarted instance gets the current policy before its next lease.
+Workers are added and retired one by one (``treegrpo scale``); each worker's placement group
+reserves ``cluster.rollout_cpus`` and ``cluster.rollout_resources`` on one node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.rollout_worker import RolloutWorker
+from cluster.engines import vllm_actor_options
+from treegrpo_ray.config import RunConfig
+
+
+@dataclass
+class PoolWorker:
+    """One worker: its actor, the policy version last sent to it, its placement group."""
+
+    handle: Any
+    version: int
+    group: PlacementGroup | None
+    retiring: bool = False
+    probe: ray.ObjectRef | None = None  # set while Ray restarts the worker
+
+
+def _actor_options(cfg: RunConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
+    """Actor options of one rollout worker and the placement group they schedule into."""
+    restarts = {"max_restarts": cfg.cluster.rollout_max_restarts, "max_task_retries": 0}
+    if cfg.engine.kind == "vllm":
+        options = vllm_actor_options(cfg.engine.vllm, num_cpus=cfg.cluster.rollout_cpus)
+        options["resources"] = dict(cfg.cluster.rollout_resources)
+        strategy = options.get("scheduling_strategy")
+        return {**options, **restarts}, strategy.placement_group if strategy else None
+    bundle = {"CPU": cfg.cluster.rollout_cpus, **cfg.cluster.rollout_resources}
+    group = placement_group([bundle])
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=0
+    )
+    options = {
+        "num_cpus": cfg.cluster.rollout_cpus,
+        "resources": dict(cfg.cluster.rollout_resources),
+        "scheduling_strategy": strategy,
+    }
+    return {**options, **restarts}, group
+
+
+class RolloutPool:
+    """The job's rollout workers by id (ids grow; a retired id is never reused)."""
+
+    def __init__(self, cfg: RunConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.workers: dict[int, PoolWorker] = {}
+        self.next_id = 0
+        self.restarts = 0
+
+    def add(self, version: int, weights: ray.ObjectRef | None) -> int:
+        """Start one worker; when ``weights`` is given it loads policy ``version`` first."""
+        worker_id, self.next_id = self.next_id, self.next_id + 1
+        options, group = _actor_options(self.cfg)
+        handle = (
+            ray.remote(RolloutWorker)
+            .options(**options)
+            .remote(
+                self.model_path,
+                self.cfg.task,
+                self.cfg.tree,
+                self.cfg.sampling,
+                self.cfg.engine,
+                seed=self.cfg.train.seed + worker_id,
+                torch_threads=self.cfg.cluster.torch_threads,
+            )
+        )
+        self.workers[worker_id] = PoolWorker(handle, 0, group)
+        if weights is not None:
+            self.sync(worker_id, version, weights)
+        return worker_id
+
+    def wait_placed(self, worker_ids: list[int], timeout: float) -> None:
+        """Wait until the workers' placement groups are reserved; if one cannot be within
+        ``timeout`` s, remove those workers and raise a ``ValueError`` naming what they need."""
+        groups = [self.workers[w].group for w in worker_ids if self.workers[w].group is not None]
+        ready, pending = ray.wait(
+            [g.ready() for g in groups], num_returns=len(groups), timeout=timeout
+        )
+        if not pending:
+            return
+        for worker_id in worker_ids:
+            self.remove(worker_id)
+        need = {"CPU": self.cfg.cluster.rollout_cpus, **self.cfg.cluster.rollout_resources}
+        raise ValueError(
+            f"{len(pending)} new rollout worker(s) could not be placed in {timeout:g} s: each "
+            f"needs {need} and the cluster has {ray.available_resources()} free; add nodes or "
+            "lower cluster.rollout_cpus"
+        )
+
+    def sync(self, worker_id: int, version: int, weights: ray.ObjectRef) -> ray.ObjectRef:
+        """Send policy ``version`` to a worker (ordered before any later call to it)."""
+        worker = self.workers[worker_id]
+        worker.version = version
+        return worker.handle.load_weights.remote(version, weights)
+
+    def lost_lease(self, worker_id: int, error: Exception) -> None:
+        """The worker died running a lease. ``ActorUnavailableError``: Ray is restarting it (a
+        fresh instance on the initial policy): it takes no lease until a probe answers, and is
+        synced first. ``ActorDiedError``: it is gone for good (restarts used up); it leaves the
+        pool. Raises when no worker is left."""
+        self.restarts += 1
+        if isinstance(error, ActorUnavailableError):
+            worker = self.workers[worker_id]
+            worker.version = -1
+            worker.probe = worker.handle.policy_version.remote()
+        else:
+            self.remove(worker_id)
+        if not self.workers:
+            raise RuntimeError(
+                "every rollout worker died and cannot be restarted (cluster.rollout_max_restarts "
+                f"= {self.cfg.cluster.rollout_max_restarts}); see the worker logs for the cause"
+            )
+
+    def check_probes(self) -> None:
+        """Workers whose probe answered are usable again; a dead one leaves the pool."""
+        probes = {w.probe: i for i, w in self.workers.items() if w.probe is not None}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=0)
+        for ref in ready:
+            worker_id = probes[ref]
+            worker = self.workers[worker_id]
+            try:
+                ray.get(ref)
+                worker.probe = None
+            except ActorUnavailableError:  # still restarting
+                worker.probe = worker.handle.policy_version.remote()
+            except RayActorError as err:
+                self.lost_lease(worker_id, err)
+
+    def usable(self) -> list[int]:
+        """Active workers that answer (not restarting)."""
+        return [i for i in self.active() if self.workers[i].probe is None]
+
+    def active(self) -> list[int]:
+        """Ids of the workers that take new leases."""
+        return [i for i, w in self.workers.items() if not w.retiring]
+
+    def handles(self) -> list[Any]:
+        return [w.handle for w in self.workers.values()]
+
+    def remove(self, worker_id: int) -> None:
+        """Stop a worker and free its placement group."""
+        worker = self.workers.pop(worker_id)
+        ray.kill(worker.handle, no_restart=True)
+        if worker.group is not None:
+            remove_placement_group(worker.group)
+
+    def shutdown(self) -> None:
+        for worker_id in list(self.workers):
+            self.remove(worker_id)

@@ -1,0 +1,205 @@
+"""`treegrpo submit | status | logs | stop` against a real two-node Ray cluster with token auth."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_NAME = "jobs-e2e"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _cli_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process with exactly ``env`` (plus PATH)."""
+    env = {"PATH": os.environ["PATH"], **env}
+    command = [sys.executable, "-m", "cluster.cli", *args]
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("treegrpo: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture
+def with_token(ray_cluster, monkeypatch):
+    """The client environment Ray documents: RAY_AUTH_MODE=token and the token's file."""
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in ray_cluster.client_env().items():
+        monkeypatch.setenv(name, value)
+    return ray_cluster
+
+
+@pytest.fixture(scope="module")
+def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
+    """(job id, output of `logs --follow`, run dir) of one tiny training job, run to the end."""
+    output_dir = tmp_path_factory.mktemp("job-runs")
+    small = [
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "train.eval_every=0",
+        "train.final_eval_questions=8",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",  # tiny_policy is cached there
+        f"train.output_dir={output_dir}",
+        "cluster.torch_threads=1",
+        "cluster.rollout_resources={rollout_node: 1}",
+        "cluster.learner_resources={learner_node: 1}",
+        "cluster.rollout_cpus=0.5",
+        "cluster.learner_cpus=0.5",
+    ]
+    url = ray_cluster.dashboard_url
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RAY_ADDRESS", raising=False)
+        for name, value in ray_cluster.client_env().items():
+            env.setenv(name, value)
+        sets = [arg for override in small for arg in ("--set", override)]
+        submit = ["submit", "tiny-multihop", "--name", RUN_NAME, "--working-dir", str(REPO)]
+        submitted = _cli(*submit, *sets, "--address", url)
+        assert submitted.returncode == 0, submitted.stderr
+        job = submitted.stdout.split()[1]  # "submitted ID to URL"
+        assert job.startswith(f"treegrpo-{RUN_NAME}-")
+        assert f"treegrpo logs {job} --follow --address {url}" in submitted.stdout
+        # Returns when the job has ended (the log stream closes); pytest's timeout bounds it.
+        followed = _cli("logs", job, "--follow", "--address", url)
+    assert followed.returncode == 0, followed.stderr
+    return job, followed.stdout, output_dir / RUN_NAME
+
+
+@pytest.mark.timeout(1500)
+def test_submitted_job_trains_on_both_nodes(finished_job, with_token):
+    job, log, run_dir = finished_job
+    url = with_token.dashboard_url
+
+    status = _cli("status", job, "--address", url)
+    assert status.returncode == 0
+    assert status.stdout.startswith(f"{job}: SUCCEEDED"), (status.stdout, log[-5000:])
+    listed = _cli("status", "--address", url)
+    assert any(
+        line.split()[:3] == [job, "SUCCEEDED", f"run={RUN_NAME}"]
+        for line in listed.stdout.splitlines()
+    ), listed.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1
+    placement = summary["placement"]  # the node ids of the rollout workers and learners
+    assert set(placement["rollout"]) == {with_token.node_ids["rollout_node"]}
+    assert set(placement["learner"]) == {with_token.node_ids["learner_node"]}
+
+
+@pytest.mark.timeout(1500)
+def test_logs_print_the_summary_line(finished_job, with_token):
+    job, followed, run_dir = finished_job
+    logs = _cli("logs", job, "--address", with_token.dashboard_url)
+    assert logs.returncode == 0, logs.stderr
+    for output in (logs.stdout, followed):
+        summary_line = [line for line in output.splitlines() if line.startswith("treegrpo: ")]
+        assert summary_line, output[-5000:]
+        assert summary_line[-1].startswith(f"treegrpo: {RUN_NAME} done in")
+        assert summary_line[-1].endswith(str(run_dir))
+
+
+def test_missing_token_is_one_line(ray_cluster, tmp_path):
+    url = ray_cluster.dashboard_url
+    no_token = {"HOME": str(tmp_path)}  # no RAY_* variables, no ~/.ray/auth_token
+    result = _cli_process(no_token, "status", "--address", url)
+    _assert_one_line_error(result, "auth token missing", url, "RAY_AUTH_TOKEN")
+
+    result = _cli_process({**no_token, "RAY_AUTH_MODE": "token"}, "status", "--address", url)
+    _assert_one_line_error(result, "auth token missing", "RAY_AUTH_TOKEN_PATH")
+
+
+def test_wrong_token_is_rejected_in_one_line(ray_cluster, tmp_path):
+    url = ray_cluster.dashboard_url
+    wrong = {"HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    result = _cli_process(wrong, "status", "--address", url)
+    _assert_one_line_error(result, "auth token rejected", url, "from RAY_AUTH_TOKEN")
+
+
+def test_token_variable_alone_is_enough(ray_cluster, tmp_path):
+    """Ray's own client also needs RAY_AUTH_MODE=token; ours sends an explicitly given token."""
+    env = {"HOME": str(tmp_path), "RAY_AUTH_TOKEN": ray_cluster.token}
+    result = _cli_process(env, "status", "--address", ray_cluster.dashboard_url)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "stop"])
+def test_unknown_job_is_one_line(with_token, command):
+    url = with_token.dashboard_url
+    result = _cli(command, "treegrpo-no-such-job", "--address", url)
+    _assert_one_line_error(
+        result, "no job treegrpo-no-such-job", f"treegrpo status --address {url}"
+    )
+
+
+def test_unreachable_address_is_one_line(monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{s.getsockname()[1]}"
+    _assert_one_line_error(_cli("status", "--address", address), "cannot reach", address)
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    _assert_one_line_error(_cli("logs", "some-job"), address, "--address", "RAY_ADDRESS")
+
+
+def test_bad_submissions_fail_before_reaching_the_cluster(with_token, tmp_path):
+    url = with_token.dashboard_url
+    before = _cli("status", "--address", url).stdout
+    result = _cli("submit", "tiny-multihop", "--set", "tree.mm=4", "--address", url)
+    _assert_one_line_error(result, "unknown field 'tree.mm'")
+    outside = tmp_path / "mine.yaml"
+    outside.write_text("train: {steps: 1}\n")
+    result = _cli("submit", str(outside), "--working-dir", str(REPO), "--address", url)
+    _assert_one_line_error(result, f"config file {outside} is outside the working directory")
+    assert _cli("status", "--address", url).stdout == before
+
+
+def test_stop_ends_a_running_job(with_token, tmp_path):
+    url = with_token.dashboard_url
+    paths = [f"train.output_dir={tmp_path}", f"warmstart.cache_dir={tmp_path}"]
+    sets = [arg for override in paths for arg in ("--set", override)]
+    submitted = _cli("submit", "tiny-multihop", "--name", "to-stop", *sets, "--address", url)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.split()[1]
+
+    stopped = _cli("stop", job, "--address", url)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith(f"{job}: stop requested")
+    assert _cli("logs", job, "--follow", "--address", url).returncode == 0  # returns at the end
+    assert _cli("status", job, "--address", url).stdout.startswith(f"{job}: STOPPED")
+    assert "was not running" in _cli("stop", job, "--address", url).stdout
+
+
+def test_scale_to_zero_or_a_job_that_is_not_running_is_one_line(with_token):
+    url = with_token.dashboard_url
+    before = _cli("status", "--address", url).stdout
+    result = _cli("scale", "some-run", "--rollout-workers", "0", "--address", url)
+    _assert_one_line_error(result, "--rollout-workers must be at least 1, got 0")
+    result = _cli("scale", "no-such-run", "--rollout-workers", "2", "--address", url)
+    _assert_one_line_error(result, "no running treegrpo job named no-such-run")
+    assert _cli("status", "--address", url).stdout == before  # treegrpo jobs untouched

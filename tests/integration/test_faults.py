@@ -1,0 +1,120 @@
+"""Faults and scaling in a running job on a real local Ray: a killed rollout worker, a killed
+learner worker, the rollout pool scaled 1 -> 2 -> 1. Every prompt group must reach the learner
+exactly once. The test drives the job through the controller's handle (``train(on_start=...)``)
+and synchronises on its futures, never on sleeps."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import ray
+
+from cluster.train import train
+
+pytestmark = pytest.mark.integration
+
+
+class RunningJob:
+    """``train`` in a thread; ``controller`` is set (an event) as soon as the job has one."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.started = threading.Event()
+        self.outcome = {}
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        self.thread.start()
+        assert self.started.wait(timeout=600), self.outcome.get("error")
+        self.controller = self.outcome["controller"]
+
+    def _train(self):
+        try:
+            self.outcome["summary"] = train(self.cfg, progress=False, on_start=self._started)
+        except Exception as err:  # surfaced by finish()
+            self.outcome["error"] = err
+            self.started.set()
+
+    def _started(self, controller):
+        self.outcome["controller"] = controller
+        self.started.set()
+
+    def call(self, method, *args, **kwargs):
+        return ray.get(getattr(self.controller, method).remote(*args, **kwargs))
+
+    def finish(self):
+        self.thread.join(timeout=900)
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["summary"]
+
+
+@pytest.fixture
+def job_cfg(make_cfg, tiny_policy):
+    def make(name, *overrides):
+        return make_cfg(
+            f"name={name}",
+            "train.steps=3",
+            "train.prompts_per_step=4",
+            "cluster.groups_per_lease=2",
+            "train.eval_every=0",
+            "train.final_eval_questions=8",
+            "cluster.torch_threads=1",
+            *overrides,
+        )
+
+    return make
+
+
+def _assert_each_group_once(cfg, summary):
+    expected = cfg.train.steps * cfg.train.prompts_per_step
+    assert summary["groups/consumed"] == expected
+    assert summary["groups/duplicates"] == 0
+    assert summary["steps"] == cfg.train.steps
+
+
+def test_a_rollout_worker_killed_mid_step_is_restarted_and_its_lease_reissued(job_cfg):
+    cfg = job_cfg("fault-rollout", "train.checkpoint_every=0")
+    job = RunningJob(cfg)
+
+    busy = job.call("workers_with_lease", timeout=300)
+    assert busy, "no lease was issued"
+    ray.kill(next(iter(busy.values())), no_restart=False)  # dies mid-lease; Ray restarts it
+
+    summary = job.finish()
+    _assert_each_group_once(cfg, summary)
+    records = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["rollout/worker_restarts"] >= 1
+    assert summary["rollout/worker_versions"] == [cfg.train.steps]
+
+
+def test_scaling_the_rollout_pool_loses_and_duplicates_no_group(job_cfg):
+    # Room for a second worker: Ray is started with CPUs for 1 x 0.5 (rollout) + 1 (learner).
+    cfg = job_cfg("scale", "train.steps=4", "train.max_policy_lag=1", "cluster.rollout_cpus=0.5")
+    job = RunningJob(cfg)
+
+    grown = job.call("scale", 2)
+    assert grown["rollout_workers"] == 2
+    assert set(grown["added_versions"]) == {grown["policy_version"]}  # new ones on the current
+    job.call("wait_records", after_step=1, timeout=600)
+    shrunk = job.call("scale", 1)
+    assert shrunk["rollout_workers"] == 1
+
+    summary = job.finish()
+    _assert_each_group_once(cfg, summary)
+    assert len(summary["rollout/worker_versions"]) == 1
+
+
+def test_a_killed_learner_is_restarted_from_its_checkpoint(job_cfg):
+    cfg = job_cfg("fault-learner", "train.steps=4", "train.checkpoint_every=1")
+    job = RunningJob(cfg)
+
+    job.call("wait_records", after_step=1, timeout=600)  # step 2 is published
+    learner = job.call("learner_processes")[0]
+    os.kill(learner["pid"], signal.SIGKILL)
+
+    summary = job.finish()
+    _assert_each_group_once(cfg, summary)
+    records = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # continuous: no gap, no repeat
+    assert summary["learner/restarts"] == 1
