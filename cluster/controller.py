@@ -152,7 +152,8 @@ class Controller:
         self.learners: dict[int, dict[str, Any]] = {}
         self.learner_restarts = 0
         self.worker_cache: dict[int, dict[str, float]] = {}
-        self.busy_s, self.interval_start = 0.0, time.perf_counter()
+        self.started = time.perf_counter()
+        self.busy_s, self.interval_start = 0.0, self.started
         self.running = self.paused = self.parked = self.stopped = False
         self.failure: str | None = None
         self.log = MetricsLog(cfg.run_dir, resume_after=resume_from)
@@ -320,6 +321,7 @@ class Controller:
             metrics.update(self.final_evaluation("after"))
         elif train.eval_every and version % train.eval_every == 0:
             metrics["eval/greedy_em"] = self.evaluate(train.eval_questions, temperature=0.0)
+        metrics["timing/elapsed_s"] = time.perf_counter() - self.started
         with self.lock:
             self.log.write(version, metrics)
             self.lock.notify_all()

@@ -208,7 +208,6 @@ def train(
     resume_from = resume_step(cfg) if resume else None
     if not resume:
         _claim_run_dir(cfg.run_dir, overwrite)
-    save_run_config(cfg)
     model_path = resolve_model_path(cfg, progress)
     started_ray = _connect(cfg)
     try:
@@ -217,6 +216,7 @@ def train(
         if started_ray:
             ray.shutdown()
         raise
+    save_run_config(cfg)
     controller = (
         ray.remote(Controller)
         .options(

@@ -343,7 +343,18 @@ def _read_yaml(name_or_path: str) -> dict[str, Any]:
         raise UserInputError(f"malformed YAML in {name_or_path}: {err}".replace("\n", " ")) from err
     if not isinstance(data, dict):
         raise UserInputError(f"{name_or_path}: the top level must be a mapping of sections")
+    if "extends" in data:  # a preset name or path whose fields this file overrides
+        return _merged(_read_yaml(str(data.pop("extends"))), data)
     return data
+
+
+def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` applied: sections merged key by key, other values replaced."""
+    out = dict(base)
+    for key, value in changes.items():
+        both_sections = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _merged(base[key], value) if both_sections else value
+    return out
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

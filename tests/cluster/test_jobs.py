@@ -203,3 +203,20 @@ def test_scale_to_zero_or_a_job_that_is_not_running_is_one_line(with_token):
     result = _cli("scale", "no-such-run", "--rollout-workers", "2", "--address", url)
     _assert_one_line_error(result, "no running treegrpo job named no-such-run")
     assert _cli("status", "--address", url).stdout == before  # treegrpo jobs untouched
+
+
+def test_a_config_larger_than_the_cluster_is_refused_before_anything_starts(
+    ray_cluster, tiny_cfg, tiny_policy, tmp_path
+):
+    sets = [
+        "cluster.rollout_workers=4",
+        "train.prompts_per_step=4",
+        f"cluster.address={ray_cluster.gcs_address}",
+        f"train.output_dir={tmp_path}",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+    ]
+    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
+    result = _cli_process(ray_cluster.client_env(), *args)
+    _assert_one_line_error(result, "asks for 5 CPU", "the Ray cluster has 2", "add nodes")
+    assert not (tmp_path / "tiny-multihop").exists()

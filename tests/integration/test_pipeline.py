@@ -9,7 +9,8 @@ import yaml
 from safetensors.torch import load_file
 
 from cluster.cli import main
-from cluster.train import train
+from cluster.train import resume_step, train
+from treegrpo_ray.config import resume_config
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +125,7 @@ def _same_tensors(a, b):
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_a_tree_over_the_token_budget_stops_the_run_resumably(make_cfg, tmp_path, capsys):
+def test_a_tree_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, tmp_path, capsys):
     cfg = make_cfg(
         "name=over-budget",
         "ppo.micro_batch_tokens=32",  # smaller than any tree of this task
@@ -142,6 +143,6 @@ def test_a_tree_over_the_token_budget_stops_the_run_resumably(make_cfg, tmp_path
     assert "ppo.micro_batch_tokens is 32" in message and "treegrpo train --resume" in message
     assert (cfg.run_dir / "checkpoint-last-good" / "model.safetensors").is_file()
     assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == "step-000000"
-    resume = ["train", "--resume", str(cfg.run_dir), "--quiet"]
-    assert main([*resume, "--set", "ppo.micro_batch_tokens=512"]) == 0
-    assert json.loads((cfg.run_dir / "summary.json").read_text())["steps"] == 1
+    # What the message proposes is a valid resume (test_resume_... runs one end to end).
+    resumed = resume_config(cfg.run_dir, None, ["ppo.micro_batch_tokens=512"])
+    assert resumed.ppo.micro_batch_tokens == 512 and resume_step(resumed) == 0

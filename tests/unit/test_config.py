@@ -1,0 +1,25 @@
+"""Presets and ``extends``: a config file that overrides another one's fields."""
+
+from treegrpo_ray.config import _changed_fields, load_config, preset_names
+
+
+def test_every_preset_loads():
+    assert {"tiny-multihop", "tiny-multihop-lora"} <= set(preset_names())
+    for name in preset_names():
+        assert load_config(name).name == name
+
+
+def test_the_lora_preset_differs_from_its_base_only_where_it_says():
+    base = load_config("tiny-multihop").model_dump(mode="json")
+    lora = load_config("tiny-multihop-lora").model_dump(mode="json")
+    changed = _changed_fields(base, lora)
+    assert sorted(changed) == ["model.lora.enabled", "name", "ppo.lr"]  # rank 8, alpha 16: defaults
+    assert lora["model"]["lora"]["rank"] == 8 and lora["model"]["lora"]["alpha"] == 16
+
+
+def test_a_user_file_extends_a_preset_and_overrides_win(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("extends: tiny-multihop-lora\ntree: {n: 0}\nmodel: {lora: {rank: 4}}\n")
+    cfg = load_config(str(path), ["ppo.lr=0.01"])
+    assert (cfg.tree.m, cfg.tree.n) == (2, 0)  # m from the preset, n from the file
+    assert (cfg.model.lora.enabled, cfg.model.lora.rank, cfg.ppo.lr) == (True, 4, 0.01)
