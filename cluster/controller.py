@@ -463,10 +463,6 @@ class Controller:
             "placement": self.placement(),
         }
 
-    def consumed_groups(self) -> dict[int, list[int]]:
-        """Prompt groups each policy version's update consumed."""
-        return dict(self.consumed)
-
     def placement(self) -> dict[str, list[str]]:
         """Node ids of the rollout workers and of the learner ranks (in rank order)."""
         node_ids = ray.get(
