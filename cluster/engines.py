@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from treegrpo_ray.config import RunConfig, VLLMConfig
+from treegrpo_ray.config import VLLMConfig
 
 
 def vllm_actor_options(settings: VLLMConfig, num_cpus: float = 1) -> dict[str, Any]:
@@ -38,10 +38,3 @@ def vllm_actor_options(settings: VLLMConfig, num_cpus: float = 1) -> dict[str, A
         placement_group_capture_child_tasks=True,
     )
     return {"num_cpus": num_cpus, "num_gpus": 0, "scheduling_strategy": strategy}
-
-
-def rollout_actor_options(cfg: RunConfig) -> dict[str, Any]:
-    """Ray actor options of one rollout worker for the configured engine."""
-    if cfg.engine.kind == "vllm":
-        return vllm_actor_options(cfg.engine.vllm, num_cpus=cfg.cluster.rollout_cpus)
-    return {"num_cpus": cfg.cluster.rollout_cpus}
