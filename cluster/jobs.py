@@ -46,6 +46,7 @@ EXCLUDES = [
     ".ruff_cache/",
     ".pytest_cache/",
 ]
+CONTROLLER_WAIT_S = 300  # `treegrpo scale` right after `submit`: the run's start-up time
 JOB_COMMANDS = ("submit", "status", "logs", "stop", "scale")
 _GET_TOKEN = "`ray get-auth-token` on the head node prints the cluster's token"
 
@@ -285,14 +286,21 @@ def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 
     client, address, source = _client(address)
     with _errors(address, source):
         run = _run_name(client, job)
+        # A job submitted moments ago may not have started its controller yet: wait for it.
+        wait = CONTROLLER_WAIT_S if _job_is_live(client, run) else 0
+        command = ["python", "-m", "cluster.scale", run, str(rollout_workers), f"{wait:g}"]
         scaler = client.submit_job(
-            entrypoint=shlex.join(["python", "-m", "cluster.scale", run, str(rollout_workers)]),
+            entrypoint=shlex.join(command),
             submission_id=f"treegrpo-scale-{secrets.token_hex(3)}",
         )
         deadline = time.monotonic() + timeout
+        ended = False
         while not client.get_job_status(scaler).is_terminal():
             if time.monotonic() > deadline:
                 raise UserInputError(f"scaling {run} took over {timeout:g} s; see {scaler}'s logs")
+            if wait and not _job_is_live(client, run):  # it ended while the scaler waited
+                ended = client.stop_job(scaler)
+                break
             time.sleep(0.5)
         lines = client.get_job_logs(scaler).strip().splitlines() or ["(no output)"]
     if lines[-1].startswith("treegrpo: error: "):
@@ -300,7 +308,17 @@ def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 
     try:
         return json.loads(lines[-1])
     except json.JSONDecodeError:
+        if ended:
+            raise UserInputError(f"the job of run {run} ended before it could be scaled") from None
         raise UserInputError(f"scaling {run} failed: {lines[-1]}") from None
+
+
+def _job_is_live(client: Any, run: str) -> bool:
+    """Whether a treegrpo job of run ``run`` is pending or running."""
+    return any(
+        (j.metadata or {}).get(RUN_KEY) == run and not j.status.is_terminal()
+        for j in client.list_jobs()
+    )
 
 
 def _run_name(client: Any, job: str) -> str:
@@ -375,9 +393,11 @@ def run_job_command(args: argparse.Namespace) -> int:
             return 130
     elif args.command == "scale":
         result = scale(address, args.job, args.rollout_workers)
+        added = result["added_versions"]
         print(
             f"{args.job}: {result['rollout_workers']} rollout workers "
-            f"(policy version {result['policy_version']})"
+            f"(policy version {result['policy_version']}"
+            + (f"; {len(added)} added, on versions {added})" if added else ")")
         )
     else:
         running = stop(address, args.job)

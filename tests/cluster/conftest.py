@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +62,13 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+# `ray start --block` prints this once the node registered with the GCS, the head's dashboard
+# serves HTTP and ROOT/head/ray_current_cluster holds the address: the node is ready.
+READY_LINE = "This command will now block forever"
+
+
 def _ray_start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start one node; return once it printed READY_LINE (its output goes on to ``log``)."""
     agent, agent_grpc, runtime_env, metrics, manager, objects, client = _free_ports(7)
     command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", *args]
     command += ["--num-cpus", "1"]
@@ -72,25 +78,25 @@ def _ray_start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Po
     command += ["--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics)]
     command += ["--node-manager-port", str(manager), "--object-manager-port", str(objects)]
     command += ["--ray-client-server-port", str(client)]
-    with log.open("w") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    ready = threading.Event()
 
+    def copy_output() -> None:  # sets `ready` at EOF too, so a node that exits never hangs us
+        with log.open("w") as out:
+            for line in process.stdout:
+                out.write(line)
+                out.flush()
+                if READY_LINE in line:
+                    ready.set()
+        ready.set()
 
-def _wait_for(what: str, check, processes: list[subprocess.Popen], root: Path):
-    """Poll ``check()`` until it returns a truthy value; fail early if a node process exited."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for p in processes:
-            if p.poll() is not None:
-                logs = "\n".join(f.read_text()[-3000:] for f in sorted(root.glob("*.log")))
-                raise RuntimeError(
-                    f"ray start exited ({p.returncode}) while waiting for {what}:\n{logs}"
-                )
-        with contextlib.suppress(requests.RequestException, OSError):
-            if result := check():
-                return result
-        time.sleep(0.5)
-    raise TimeoutError(f"no {what} after {START_TIMEOUT_S}s; see the logs in {root}")
+    threading.Thread(target=copy_output, daemon=True).start()
+    if not ready.wait(START_TIMEOUT_S) or process.poll() is not None:
+        process.kill()
+        raise RuntimeError(f"`ray start {args[0]}` did not come up; its output:\n{log.read_text()}")
+    return process
 
 
 def _alive_nodes(url: str, headers: dict[str, str]) -> list[dict]:
@@ -150,26 +156,14 @@ def start_cluster(
         head += ["--dashboard-port", str(dashboard_port)]
         head += ["--resources", json.dumps(NODE_RESOURCES[0])]
         processes.append(_ray_start(head, env, root / "head.log"))
-        _wait_for(
-            "dashboard",
-            lambda: requests.get(f"{url}/api/gcs_healthz", timeout=5).ok,
-            processes,
-            root,
-        )
-        # NODE_IP:PORT as `ray start` wrote it (Ray picks the node IP; the GCS listens on all).
-        address_file = root / "head" / "ray_current_cluster"
-        gcs_address = _wait_for("head address", address_file.read_text, processes, root).strip()
+        gcs_address = (root / "head" / "ray_current_cluster").read_text().strip()
         node = ["--address", gcs_address, "--temp-dir", str(root / "node1")]
         node += ["--resources", json.dumps(NODE_RESOURCES[1])]
         processes.append(_ray_start(node, env, root / "node1.log"))
         names = [name for resources in NODE_RESOURCES for name in resources]
-
-        def node_ids() -> dict[str, str] | None:
-            nodes = _alive_nodes(url, headers)
-            ids = {r: n["node_id"] for n in nodes for r in n["resources_total"] if r in names}
-            return ids if len(ids) == len(names) else None
-
-        ids = _wait_for("both nodes alive", node_ids, processes, root)
+        nodes = _alive_nodes(url, headers)
+        ids = {r: n["node_id"] for n in nodes for r in n["resources_total"] if r in names}
+        assert len(ids) == len(names), f"nodes with {names} not all alive: {nodes}"
         yield RayTestCluster(gcs_address, url, token, token_path, ids, root, processes)
     finally:
         _stop(processes, root)

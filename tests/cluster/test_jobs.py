@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "jobs-e2e"
+STEPS = 8
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -55,12 +57,21 @@ def with_token(ray_cluster, monkeypatch):
     return ray_cluster
 
 
+@dataclass
+class FinishedJob:
+    """A tiny training job, scaled 1 -> 2 -> 1 rollout workers while it ran, then run to the end."""
+
+    job: str
+    log: str  # output of `treegrpo logs --follow`
+    run_dir: Path
+    scaled: list[subprocess.CompletedProcess]  # `treegrpo scale` to 2, then to 1
+
+
 @pytest.fixture(scope="module")
-def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
-    """(job id, output of `logs --follow`, run dir) of one tiny training job, run to the end."""
+def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory) -> FinishedJob:
     output_dir = tmp_path_factory.mktemp("job-runs")
     small = [
-        "train.steps=1",
+        f"train.steps={STEPS}",
         "train.prompts_per_step=2",
         "train.eval_every=0",
         "train.final_eval_questions=8",
@@ -68,7 +79,8 @@ def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
         f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",  # tiny_policy is cached there
         f"train.output_dir={output_dir}",
         "cluster.torch_threads=1",
-        "cluster.rollout_resources={rollout_node: 1}",
+        # Two rollout workers fit on the rollout node (1 CPU, rollout_node: 1) after scaling.
+        "cluster.rollout_resources={rollout_node: 0.5}",
         "cluster.learner_resources={learner_node: 1}",
         "cluster.rollout_cpus=0.5",
         "cluster.learner_cpus=0.5",
@@ -85,15 +97,19 @@ def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory):
         job = submitted.stdout.split()[1]  # "submitted ID to URL"
         assert job.startswith(f"treegrpo-{RUN_NAME}-")
         assert f"treegrpo logs {job} --follow --address {url}" in submitted.stdout
+        # Scaling right after submitting waits for the job's controller to start; both scale
+        # requests reach it while the learner starts up (tens of seconds, then STEPS steps).
+        scaled = [_cli("scale", job, "--rollout-workers", "2", "--address", url)]
+        scaled.append(_cli("scale", RUN_NAME, "--rollout-workers", "1", "--address", url))
         # Returns when the job has ended (the log stream closes); pytest's timeout bounds it.
         followed = _cli("logs", job, "--follow", "--address", url)
     assert followed.returncode == 0, followed.stderr
-    return job, followed.stdout, output_dir / RUN_NAME
+    return FinishedJob(job, followed.stdout, output_dir / RUN_NAME, scaled)
 
 
 @pytest.mark.timeout(1500)
 def test_submitted_job_trains_on_both_nodes(finished_job, with_token):
-    job, log, run_dir = finished_job
+    job, log, run_dir = finished_job.job, finished_job.log, finished_job.run_dir
     url = with_token.dashboard_url
 
     status = _cli("status", job, "--address", url)
@@ -106,7 +122,7 @@ def test_submitted_job_trains_on_both_nodes(finished_job, with_token):
     ), listed.stdout
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 1
+    assert summary["steps"] == STEPS
     placement = summary["placement"]  # the node ids of the rollout workers and learners
     assert set(placement["rollout"]) == {with_token.node_ids["rollout_node"]}
     assert set(placement["learner"]) == {with_token.node_ids["learner_node"]}
@@ -114,7 +130,7 @@ def test_submitted_job_trains_on_both_nodes(finished_job, with_token):
 
 @pytest.mark.timeout(1500)
 def test_logs_print_the_summary_line(finished_job, with_token):
-    job, followed, run_dir = finished_job
+    job, followed, run_dir = finished_job.job, finished_job.log, finished_job.run_dir
     logs = _cli("logs", job, "--address", with_token.dashboard_url)
     assert logs.returncode == 0, logs.stderr
     for output in (logs.stdout, followed):
@@ -122,6 +138,27 @@ def test_logs_print_the_summary_line(finished_job, with_token):
         assert summary_line, output[-5000:]
         assert summary_line[-1].startswith(f"treegrpo: {RUN_NAME} done in")
         assert summary_line[-1].endswith(str(run_dir))
+
+
+@pytest.mark.timeout(1500)
+def test_scale_resizes_the_running_job(finished_job, with_token):
+    up, down = finished_job.scaled
+    assert up.returncode == 0, up.stderr
+    version = int(up.stdout.split("policy version ")[1].split(";")[0])
+    assert up.stdout.strip() == (
+        f"{finished_job.job}: 2 rollout workers (policy version {version}; "
+        f"1 added, on versions [{version}])"
+    )
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.startswith(f"{RUN_NAME}: 1 rollout workers (policy version ")
+
+    summary = json.loads((finished_job.run_dir / "summary.json").read_text())
+    assert summary["groups/consumed"] == STEPS * 2  # every group once, none lost
+    assert summary["groups/duplicates"] == 0
+    assert summary["learner/restarts"] == 0
+    records = [json.loads(line) for line in (finished_job.run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert len(summary["placement"]["rollout"]) == 1
 
 
 def test_missing_token_is_one_line(ray_cluster, tmp_path):
