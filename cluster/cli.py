@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
         "saved config is used; --set train.steps=N extends it)",
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
+    bench = sub.add_parser("bench", help="benchmark suites").add_subparsers(
+        dest="suite", required=True
+    )
+    from benchmarks.budget_efficiency import add_arguments
+
+    add_arguments(bench.add_parser("budget", help="chain GRPO vs Tree-GRPO at matched cost"))
     add_job_commands(sub)
     return parser
 
@@ -56,6 +62,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command in JOB_COMMANDS:
         return run_job_command(args)
+    if args.command == "bench":
+        from benchmarks.budget_efficiency import run_from_args
+
+        return run_from_args(args)
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0

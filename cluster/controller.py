@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import json
-import random
 import statistics
 import threading
 import time
@@ -37,6 +36,7 @@ from ray.util.queue import Full
 from torch.utils.tensorboard import SummaryWriter
 
 from actors.rollout_worker import Lease
+from actors.schedule import eval_seed, step_leases, training_order
 from actors.tree_queue import TreeQueue
 from cluster.rollout_pool import RolloutPool
 from treegrpo_ray.config import RunConfig
@@ -132,8 +132,7 @@ class Controller:
         task = MultihopTask(cfg.task.multihop)
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
-        self.order = list(range(len(self.train_samples)))
-        random.Random(cfg.train.seed).shuffle(self.order)
+        self.order = training_order(len(self.train_samples), cfg.train.seed)
         self.lease_groups = cfg.cluster.groups_per_lease or (
             cfg.train.prompts_per_step // cfg.cluster.rollout_workers
         )
@@ -213,18 +212,15 @@ class Controller:
 
     def _leases(self, step: int) -> list[Lease]:
         """The leases of ``step``: a function of the step and the run's seed only."""
-        per_step, size = self.cfg.train.prompts_per_step, self.lease_groups
-        count = per_step // size
-        leases = []
-        for j in range(count):
-            first = step * per_step + j * size
-            groups = tuple(
-                (g, self.train_samples[self.order[g % len(self.order)]])
-                for g in range(first, first + size)
-            )
-            lease_id = step * count + j
-            leases.append(Lease(lease_id, groups, seed=self.cfg.train.seed * 7919 + lease_id))
-        return leases
+        train = self.cfg.train
+        return step_leases(
+            self.train_samples,
+            self.order,
+            step,
+            train.prompts_per_step,
+            self.lease_groups,
+            train.seed,
+        )
 
     def _issue(self) -> None:
         """Give the next leases to workers without one, each on the newest policy."""
@@ -379,7 +375,7 @@ class Controller:
             handles = [self.pool.workers[w].handle for w in self.pool.active()]
         samples = self.heldout[:questions]
         shards = [samples[i :: len(handles)] for i in range(len(handles))]
-        seed = self.cfg.train.seed + 104729
+        seed = eval_seed(self.cfg.train.seed)
         results = ray.get(
             [h.evaluate.remote(s, temperature, seed) for h, s in zip(handles, shards, strict=True)]
         )

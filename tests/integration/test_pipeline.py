@@ -9,7 +9,8 @@ import yaml
 from safetensors.torch import load_file
 
 from cluster.cli import main
-from cluster.train import resume_step, train
+from cluster.local_run import LocalRun
+from cluster.train import resolve_model_path, resume_step, train
 from treegrpo_ray.config import resume_config
 
 pytestmark = pytest.mark.integration
@@ -112,12 +113,32 @@ def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path):
     assert _same_tensors(cfg.run_dir / "checkpoint-final", died / "checkpoint-final")
 
 
+def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
+    """``cluster.local_run`` (what the budget suite trains with) takes the job's steps exactly."""
+    cfg, summary = two_step_run(learners=1)
+    run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
+    assert run.evaluate(cfg.train.final_eval_questions, 1.0) == summary["before/eval/sampled_em"]
+    for expected in _read_records(cfg.run_dir):
+        got = run.step()
+        got["eval/greedy_em"] = run.evaluate(cfg.train.eval_questions, temperature=0.0)
+        same = {k: v for k, v in _repeatable(expected).items() if k in got}
+        assert len(same) > 20  # tree/, budget/ and learner/ figures, the evaluation
+        assert {k: got[k] for k in same} == same
+    assert _same_tensors_as(run.learner.model, cfg.run_dir / "checkpoint-final")
+
+
 def _read_records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _repeatable(record):
     return {k: v for k, v in record.items() if not k.startswith(UNREPEATABLE)}
+
+
+def _same_tensors_as(model, checkpoint):
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    state = model.state_dict()
+    return all(torch.equal(state[k], v) for k, v in saved.items())
 
 
 def _same_tensors(a, b):

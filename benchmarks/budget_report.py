@@ -1,0 +1,264 @@
+"""Aggregate the budget suite's runs: results.json, results.md and budget_efficiency.png.
+
+A run record (``budget_efficiency.run_job``) holds its evaluation points: step, prompts, cost
+totals so far (``generated_tokens``, ``tool_calls``, ``prefill_tokens``, ...), training wall time
+``train_seconds``, ``greedy_em`` and ``sampled_em``. Point 0 is the warm start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.budget_stats import detectable_difference, matched_difference, mean_ci
+
+METRICS = ("greedy_em", "sampled_em")
+# matching -> the cost the curves are matched on (None: the final evaluations, equal updates)
+MATCHINGS = {"updates": None, "tokens": "generated_tokens", "wall": "train_seconds"}
+PAIRS_KEY = "pairs"
+
+
+def _by_arm(records: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
+    """(start, arm) -> seed -> record."""
+    out: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
+    for r in records:
+        out[(r["start"], r["arm"])][r["seed"]] = r
+    return out
+
+
+def arm_summary(runs: dict[int, dict]) -> dict[str, Any]:
+    """Final EM (mean, 95% CI over seeds), measured cost per prompt, seconds per update."""
+    finals = [r["points"][-1] for r in runs.values()]
+    first = next(iter(runs.values()))
+    out: dict[str, Any] = {
+        "method": first["method"],
+        "budget": first["budget"],
+        "seeds": sorted(runs),
+        "updates": finals[0]["step"],
+        "seconds_per_update": statistics.fmean(r["seconds_per_update"] for r in runs.values()),
+    }
+    for cost in ("generated_tokens", "tool_calls", "prefill_tokens", "leaves"):
+        out[f"{cost}_per_prompt"] = statistics.fmean(p[cost] / p["prompts"] for p in finals)
+    for metric in METRICS:
+        out[metric] = mean_ci([p[metric] for p in finals]).to_dict()
+    out["curve"] = [
+        {
+            "step": points[0]["step"],
+            "generated_tokens": statistics.fmean(p["generated_tokens"] for p in points),
+            **{m: statistics.fmean(p[m] for p in points) for m in METRICS},
+        }
+        for points in zip(*(r["points"] for r in runs.values()), strict=True)
+    ]
+    return out
+
+
+def _curve(record: dict, cost: str, metric: str) -> tuple[list[float], list[float]]:
+    return [p[cost] for p in record["points"]], [p[metric] for p in record["points"]]
+
+
+def compare(a_runs: dict[int, dict], b_runs: dict[int, dict]) -> dict[str, Any]:
+    """``a - b`` paired by seed, per matching and metric: mean, 95% CI, detectable difference
+    and, for cost matchings, the mean cost per prompt where the two were compared."""
+    seeds = sorted(set(a_runs) & set(b_runs))
+    out: dict[str, Any] = {"seeds": seeds}
+    for matching, cost in MATCHINGS.items():
+        result: dict[str, Any] = {}
+        for metric in METRICS:
+            diffs, at = [], []
+            for s in seeds:
+                a, b = a_runs[s], b_runs[s]
+                if cost is None:
+                    diffs.append(a["points"][-1][metric] - b["points"][-1][metric])
+                    continue
+                diff, x = matched_difference(_curve(a, cost, metric), _curve(b, cost, metric))
+                diffs.append(diff)
+                at.append(x)
+            result[metric] = mean_ci(diffs).to_dict() | {
+                "detectable": detectable_difference(diffs),
+                "differences": diffs,
+            }
+            if at:
+                result["at"] = statistics.fmean(at)
+        out[matching] = result
+    out["wall_ratio"] = statistics.median(
+        a_runs[s]["seconds_per_update"] / b_runs[s]["seconds_per_update"] for s in seeds
+    )
+    return out
+
+
+def aggregate(records: list[dict], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per start: arm summaries and the tree-vs-chain comparisons; the headline and targets."""
+    from benchmarks.budget_efficiency import HEADLINE, PAIRS, STRETCH
+
+    by_arm = _by_arm(records)
+    starts = sorted({s for s, _ in by_arm}, key=list(settings["starts"]).index)
+    result: dict[str, Any] = {"settings": settings, "starts": {}}
+    for start in starts:
+        arms = {arm: arm_summary(runs) for (s, arm), runs in by_arm.items() if s == start}
+        pairs = {
+            f"{a} vs {b}": compare(by_arm[(start, a)], by_arm[(start, b)])
+            for a, b in (*PAIRS, STRETCH)
+            if (start, a) in by_arm and (start, b) in by_arm
+        }
+        result["starts"][start] = {"arms": arms, PAIRS_KEY: pairs}
+    result["headline"] = headline(result, HEADLINE)
+    result["targets"] = targets(result, PAIRS, STRETCH)
+    return result
+
+
+def headline(result: dict[str, Any], spec: dict[str, str]) -> dict[str, Any] | None:
+    """The pre-registered figure: tree minus chain, ``metric`` at matched generated tokens."""
+    pairs = result["starts"].get(spec["start"], {}).get(PAIRS_KEY, {})
+    pair = pairs.get(f"{spec['tree']} vs {spec['chain']}")
+    if pair is None:
+        return None
+    figure = pair["tokens"][spec["metric"]]
+    return {**spec, **figure, "at_tokens_total": pair["tokens"].get("at")}
+
+
+def targets(result: dict[str, Any], pairs: tuple, stretch: tuple[str, str]) -> dict[str, Any]:
+    """Each target of the suite, met or not, with the figure it was judged on."""
+    out: dict[str, Any] = {}
+    head = result["headline"]
+    if head is not None:
+        out["headline_ci_above_zero"] = not math.isnan(head["ci95"]) and head["mean"] > head["ci95"]
+    for start, data in result["starts"].items():
+        for a, b in pairs:
+            pair = data[PAIRS_KEY].get(f"{a} vs {b}")
+            if pair is None:
+                continue
+            delta = pair["tokens"]["greedy_em"]["mean"]
+            out[f"{start}: {a} >= {b} at equal tokens (greedy)"] = {
+                "met": delta >= 0,
+                "delta": delta,
+            }
+            ratio = pair["wall_ratio"]
+            out[f"{start}: {a} wall/update <= 1.3x {b}"] = {"met": ratio <= 1.3, "ratio": ratio}
+        s = data[PAIRS_KEY].get(f"{stretch[0]} vs {stretch[1]}")
+        if s is not None:
+            delta = s["updates"]["greedy_em"]["mean"]
+            out[f"{start}: stretch {stretch[0]} >= {stretch[1]}"] = {
+                "met": delta >= 0,
+                "delta": delta,
+            }
+    return out
+
+
+def _pct(estimate: dict[str, float]) -> str:
+    ci = "" if math.isnan(estimate["ci95"]) else f" ± {100 * estimate['ci95']:.1f}"
+    return f"{100 * estimate['mean']:.1f}{ci}"
+
+
+def markdown(result: dict[str, Any], seconds: float) -> str:
+    """The tables of results.md."""
+    s = result["settings"]
+    lines = [
+        "# Budget efficiency: chain GRPO vs Tree-GRPO",
+        "",
+        f"Preset `{s['preset']}`, {s['steps']} updates of {s['prompts_per_step']} prompts per run, "
+        f"held-out EM on {s['eval_questions']} questions (greedy; sampled x{s['eval_samples']} "
+        f"at the end), mean ± 95% CI over seeds; suite wall time {seconds / 60:.1f} min.",
+    ]
+    head = result["headline"]
+    if head is not None:
+        lines += [
+            "",
+            f"**Headline (pre-registered)**: {head['tree']} − {head['chain']}, greedy held-out EM "
+            f"at matched generated tokens, {head['start']} warm start: "
+            f"**{_pct(head)} points** over {head['n']} seeds (smallest detectable difference "
+            f"{100 * head['detectable']:.1f} points).",
+        ]
+    for start, data in result["starts"].items():
+        lines += ["", f"## Warm start: {start}", ""]
+        lines += [
+            "| arm | nominal budget | generated tokens / prompt | tool calls / prompt | "
+            "prefill tokens / prompt | s / update | greedy EM | sampled EM | seeds |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        arms = sorted(data["arms"].items(), key=lambda kv: (kv[1]["method"], kv[1]["budget"]))
+        warm = next(iter(data["arms"].values()))["curve"][0]
+        for name, a in arms:
+            lines.append(
+                f"| {name} | {a['budget']} | {a['generated_tokens_per_prompt']:.1f} | "
+                f"{a['tool_calls_per_prompt']:.2f} | {a['prefill_tokens_per_prompt']:.0f} | "
+                f"{a['seconds_per_update']:.2f} | {_pct(a['greedy_em'])} | "
+                f"{_pct(a['sampled_em'])} | {len(a['seeds'])} |"
+            )
+        lines += [
+            "",
+            f"Warm start: greedy {100 * warm['greedy_em']:.1f}, sampled "
+            f"{100 * warm['sampled_em']:.1f}.",
+            "",
+            "| tree − chain | matching | Δ greedy EM | Δ sampled EM | detectable Δ greedy | "
+            "tree / chain s per update |",
+            "|---|---|---|---|---|---|",
+        ]
+        for pair, c in data[PAIRS_KEY].items():
+            for matching in MATCHINGS:
+                m = c[matching]
+                lines.append(
+                    f"| {pair} | equal {matching} | {_pct(m['greedy_em'])} | "
+                    f"{_pct(m['sampled_em'])} | {100 * m['greedy_em']['detectable']:.1f} | "
+                    f"{c['wall_ratio']:.2f} |"
+                )
+    lines += ["", "## Targets", ""]
+    for name, value in result["targets"].items():
+        lines.append(f"- {name}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """EM against measured generated tokens per prompt, a line per method, CI error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    starts = list(result["starts"])
+    fig, axes = plt.subplots(
+        2, len(starts), figsize=(5 * len(starts), 7), squeeze=False, sharex=True
+    )
+    for col, start in enumerate(starts):
+        arms = result["starts"][start]["arms"]
+        for row, metric in enumerate(METRICS):
+            ax = axes[row][col]
+            for method, marker in (("chain", "o"), ("tree", "s")):
+                pts = sorted(
+                    (a for a in arms.values() if a["method"] == method),
+                    key=lambda a: a["generated_tokens_per_prompt"],
+                )
+                xs = [a["generated_tokens_per_prompt"] for a in pts]
+                ys = [100 * a[metric]["mean"] for a in pts]
+                errs = [
+                    0 if math.isnan(a[metric]["ci95"]) else 100 * a[metric]["ci95"] for a in pts
+                ]
+                ax.errorbar(xs, ys, yerr=errs, marker=marker, capsize=3, label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{start} warm start: {metric.replace('_', ' ')}")
+            ax.set_ylabel("held-out EM (%)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        axes[-1][col].set_xlabel("generated tokens per prompt (measured)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(
+    records: list[dict], settings: dict[str, Any], out: Path, seconds: float
+) -> dict[str, Any]:
+    """Write results.json, results.md, budget_efficiency.png; returns the result plus a
+    one-line ``line``."""
+    result = aggregate(records, settings)
+    result["seconds"] = seconds
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "results.md").write_text(markdown(result, seconds))
+    plot(result, out / "budget_efficiency.png")
+    head = result["headline"]
+    figure = "" if head is None else f"; headline {_pct(head)} EM points (n={head['n']})"
+    result["line"] = f"budget suite: {len(records)} runs in {seconds / 60:.1f} min{figure}; {out}"
+    return result

@@ -1,0 +1,90 @@
+"""The training loop of ``treegrpo train`` without Ray, for benchmarks that run many short trainings.
+
+One ``RolloutWorker`` and one ``Learner`` in this process run the schedule of a synchronous
+one-worker job (``max_policy_lag`` 0): the same leases and seeds, the same updates, the same
+held-out evaluations, so a step's record matches the Ray job's (tests check it). What it leaves
+out is what a job adds around that loop: Ray start-up (~35 s a run on 2 cores), the queue,
+checkpoints, the run directory.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from actors.rollout_worker import RolloutWorker
+from actors.schedule import eval_seed, step_leases, training_order
+from learners.learner import Learner, pull_batch
+from treegrpo_ray.config import RunConfig
+from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.metrics import timed
+
+
+class LocalRun:
+    """A training run stepped by the caller: ``step()`` is one update, ``evaluate()`` a
+    held-out evaluation of the current policy. ``train_seconds`` counts rollout + update time
+    only (not evaluations), for wall-time matching."""
+
+    def __init__(self, cfg: RunConfig, model_path: str):
+        if cfg.train.max_policy_lag:
+            raise ValueError("LocalRun is synchronous: set train.max_policy_lag=0")
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        self.cfg = cfg
+        task = MultihopTask(cfg.task.multihop)
+        self.train_samples, self.heldout = task.train_samples(), task.heldout_samples()
+        self.order = training_order(len(self.train_samples), cfg.train.seed)
+        self.worker = RolloutWorker(
+            model_path,
+            cfg.task,
+            cfg.tree,
+            cfg.sampling,
+            cfg.engine,
+            seed=cfg.train.seed,
+            torch_threads=cfg.cluster.torch_threads,
+        )
+        self.learner = Learner(
+            model_path,
+            cfg.ppo,
+            temperature=cfg.sampling.temperature,
+            advantage=cfg.ppo.advantage,
+            seed=cfg.train.seed,
+            lora=cfg.model.lora,
+        )
+        self.train_seconds = 0.0
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
+
+    def step(self) -> dict[str, float]:
+        """Expand this step's leases, update the policy once, send it to the worker; returns the
+        step's metrics (``tree/``, ``budget/``, ``rollout/``, ``learner/``, ``timing/``)."""
+        started = time.perf_counter()
+        train = self.cfg.train
+        batches: queue.Queue[Any] = queue.Queue()
+        for lease in step_leases(
+            self.train_samples,
+            self.order,
+            self.learner.version,
+            train.prompts_per_step,
+            self.cfg.cluster.groups_per_lease or train.prompts_per_step,
+            train.seed,
+        ):
+            batches.put(self.worker.expand(lease))
+        trees, metrics = pull_batch(batches, train.prompts_per_step, self.learner.version, 0)
+        with timed(metrics, "update"):
+            metrics.update(self.learner.update(trees))
+        self.worker.load_weights(self.learner.version, self.learner.policy_state())
+        self.train_seconds += time.perf_counter() - started
+        return metrics
+
+    def evaluate(self, questions: int, temperature: float, repeat: int = 0) -> float:
+        """Held-out success rate over the first ``questions`` questions, one chain each;
+        ``repeat`` > 0 draws another set of samples (the job's evaluation is ``repeat`` 0)."""
+        samples = self.heldout[:questions]
+        seed = eval_seed(self.cfg.train.seed) + repeat
+        return statistics.fmean(self.worker.evaluate(samples, temperature, seed))
