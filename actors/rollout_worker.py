@@ -15,6 +15,7 @@ import pyarrow as pa
 import torch
 
 from actors.engines.hf_engine import HFEngine
+from actors.retriever import Retriever
 from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import EngineConfig, SamplingConfig, TaskConfig, TreeConfig
 from treegrpo_ray.engine import (
@@ -26,6 +27,7 @@ from treegrpo_ray.engine import (
 )
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
+from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv, SearchQATask
 from treegrpo_ray.modeling import load_policy, load_tokenizer
 from treegrpo_ray.search import Expansion, TreePlanner
 from treegrpo_ray.tree import AgentStep, Tree, arrow_metadata, trees_to_arrow
@@ -41,8 +43,23 @@ class Lease:
     seed: int
 
 
-def make_env(task: TaskConfig) -> AgentEnv:
-    """The environment named by the task config."""
+def load_task(task: TaskConfig) -> MultihopTask | SearchQATask:
+    """The questions of the task named by the config (``train_samples()``, ``heldout_samples()``)."""
+    if task.name == "search_qa":
+        return SearchQATask(task.search_qa)
+    return MultihopTask(task.multihop)
+
+
+def make_env(task: TaskConfig, search: SearchFn | None = None) -> AgentEnv:
+    """The environment named by the task config.
+
+    search_qa searches with ``search`` when given (``cluster/`` passes the retriever actor's
+    client), else with a ``Retriever`` built here from the configured corpus or the fixture.
+    """
+    if task.name == "search_qa":
+        if search is None:
+            search = Retriever.from_config(task.search_qa).search_batch
+        return SearchQAEnv(task.search_qa, search)
     return MultihopEnv(MultihopTask(task.multihop))
 
 
@@ -69,11 +86,12 @@ class RolloutWorker:
         engine: EngineConfig | None = None,
         seed: int = 0,
         torch_threads: int = 1,
+        search: SearchFn | None = None,
     ):
         torch.set_num_threads(torch_threads)
         self.engine = make_engine(model_path, engine or EngineConfig(), seed)
         self.tokenizer = load_tokenizer(model_path)
-        self.env = make_env(task)
+        self.env = make_env(task, search)
         self.shape = tree.shape()
         self.sampling = sampling
         self.stop_ids = tuple(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -180,7 +181,21 @@ def evaluate(run: LocalRun, settings: Settings, final: bool) -> dict[str, float]
     }
 
 
-def run_job(job: Job) -> dict[str, Any]:
+def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float]:
+    """The evaluation before training: the same for every arm of a (start, seed), so computed by
+    the first of them and read from OUT/warm/START/seedN.json by the others."""
+    path = out / "warm" / job.start / f"seed{job.seed}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = evaluate(run, job.settings, final=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # runs in parallel may both compute it
+    partial.write_text(json.dumps(result))
+    partial.replace(path)
+    return result
+
+
+def run_job(job: Job, out: Path) -> dict[str, Any]:
     """Train one arm, evaluating along the way; returns its record (costs are per prompt)."""
     from cluster.local_run import LocalRun
     from cluster.train import resolve_model_path
@@ -190,7 +205,7 @@ def run_job(job: Job) -> dict[str, Any]:
     settings = job.settings
     cost = dict.fromkeys(COSTS, 0.0)  # totals so far
     points = [{"step": 0, "prompts": 0, "train_seconds": 0.0, **cost}]
-    points[0].update(evaluate(run, settings, final=False))
+    points[0].update(warm_start_evaluation(run, job, out))
     for step in range(1, settings.steps + 1):
         metrics = run.step()
         for key in cost:
@@ -241,7 +256,9 @@ def run_suite(
     log(f"{len(jobs(preset, settings))} runs, {len(todo)} to do, {workers} at a time")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        for done, (job, record) in enumerate(zip(todo, pool.map(run_job, todo), strict=True)):
+        for done, (job, record) in enumerate(
+            zip(todo, pool.map(run_job, todo, [out] * len(todo)), strict=True)
+        ):
             path = out / "runs" / f"{job.key}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1))

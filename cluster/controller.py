@@ -35,12 +35,12 @@ from ray.exceptions import RayActorError
 from ray.util.queue import Full
 from torch.utils.tensorboard import SummaryWriter
 
-from actors.rollout_worker import Lease
+from actors.rollout_worker import Lease, load_task
 from actors.schedule import eval_seed, step_leases, training_order
 from actors.tree_queue import TreeQueue
+from cluster.retriever import retriever_actor_name, start_retriever
 from cluster.rollout_pool import RolloutPool
 from treegrpo_ray.config import RunConfig
-from treegrpo_ray.envs.multihop import MultihopTask
 
 NAMESPACE = "treegrpo"
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
@@ -129,7 +129,7 @@ class Controller:
 
     def __init__(self, cfg: RunConfig, model_path: str, resume_from: int | None = None):
         self.cfg = cfg
-        task = MultihopTask(cfg.task.multihop)
+        task = load_task(cfg.task)
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
         self.order = training_order(len(self.train_samples), cfg.train.seed)
@@ -137,7 +137,11 @@ class Controller:
             cfg.train.prompts_per_step // cfg.cluster.rollout_workers
         )
         self.queue = TreeQueue(cfg.cluster.queue_size)
-        self.pool = RolloutPool(cfg, model_path)
+        self.search = None  # the retriever actor's client (search_qa): one index per job
+        if cfg.task.name == "search_qa":
+            name, cpus = retriever_actor_name(cfg.name), cfg.cluster.retriever_cpus
+            self.search = start_retriever(cfg.task.search_qa, name, num_cpus=cpus)
+        self.pool = RolloutPool(cfg, model_path, self.search)
         for _ in range(cfg.cluster.rollout_workers):
             self.pool.add(0, None)
         self.lock = threading.Condition()

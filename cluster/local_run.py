@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from actors.rollout_worker import RolloutWorker
+from actors.rollout_worker import RolloutWorker, load_task
 from actors.schedule import eval_seed, step_leases, training_order
 from learners.learner import Learner, pull_batch
 from treegrpo_ray.config import RunConfig
-from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.metrics import timed
 
 
@@ -34,7 +33,7 @@ class LocalRun:
             raise ValueError("LocalRun is synchronous: set train.max_policy_lag=0")
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
-        task = MultihopTask(cfg.task.multihop)
+        task = load_task(cfg.task)
         self.train_samples, self.heldout = task.train_samples(), task.heldout_samples()
         self.order = training_order(len(self.train_samples), cfg.train.seed)
         self.worker = RolloutWorker(

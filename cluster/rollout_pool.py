@@ -58,9 +58,10 @@ def _actor_options(cfg: RunConfig) -> tuple[dict[str, Any], PlacementGroup | Non
 class RolloutPool:
     """The job's rollout workers by id (ids grow; a retired id is never reused)."""
 
-    def __init__(self, cfg: RunConfig, model_path: str):
+    def __init__(self, cfg: RunConfig, model_path: str, search: Any = None):
         self.cfg = cfg
         self.model_path = model_path
+        self.search = search  # passed to every worker's environment (search_qa's retriever)
         self.workers: dict[int, PoolWorker] = {}
         self.next_id = 0
         self.restarts = 0
@@ -80,6 +81,7 @@ class RolloutPool:
                 self.cfg.engine,
                 seed=self.cfg.train.seed + worker_id,
                 torch_threads=self.cfg.cluster.torch_threads,
+                search=self.search,
             )
         )
         self.workers[worker_id] = PoolWorker(handle, 0, group)

@@ -29,6 +29,7 @@ from learners.checkpoint import latest_checkpoint
 from learners.learner import train_loop_per_worker
 from learners.warmstart import warm_start
 from treegrpo_ray.config import RunConfig, save_run_config
+from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.modeling import check_policy_dir
 
@@ -39,6 +40,7 @@ def resolve_model_path(cfg: RunConfig, progress: bool = True) -> str:
         path = Path(cfg.model.path).expanduser()
         check_policy_dir(path)
         return str(path.resolve())
+    check_model_path(cfg.task.name, cfg.model.path)  # the tiny model reads multihop only
     return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
 
 
@@ -81,6 +83,8 @@ def required_resources(cfg: RunConfig) -> dict[str, float]:
         need[key] += cluster.rollout_workers * amount
     for key, amount in cluster.learner_resources.items():
         need[key] += cluster.learner_workers * amount
+    if cfg.task.name == "search_qa":
+        need["CPU"] += cluster.retriever_cpus
     return {key: amount for key, amount in need.items() if amount or key == "CPU"}
 
 

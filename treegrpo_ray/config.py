@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from treegrpo_ray.envs.multihop import MultihopConfig
+from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients
 from treegrpo_ray.modeling import TinyModelConfig
@@ -29,8 +30,19 @@ class _Section(BaseModel):
 
 
 class TaskConfig(_Section):
-    name: Literal["multihop"] = Field("multihop", description="Which environment to train on.")
+    name: Literal["multihop", "search_qa"] = Field(
+        "multihop",
+        description="Which environment to train on: multihop (synthetic, tiny CPU model) or "
+        "search_qa (Search-R1 style retrieval QA, needs model.path).",
+    )
     multihop: MultihopConfig = Field(default_factory=MultihopConfig)
+    search_qa: SearchQAConfig = Field(default_factory=SearchQAConfig)
+
+    @model_validator(mode="after")
+    def _search_qa_has_data(self) -> TaskConfig:
+        if self.name == "search_qa":
+            self.search_qa.check_sources()
+        return self
 
 
 class LoraSettings(_Section):
@@ -263,6 +275,9 @@ class ClusterConfig(_Section):
         2, ge=-1, description="Ray Train restarts of the learner group from the last checkpoint."
     )
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads per process.")
+    retriever_cpus: float = Field(
+        1, ge=0, description="CPUs of the retriever actor (task search_qa only; one per job)."
+    )
     queue_size: int = Field(4, gt=0, description="Tree batches the queue holds before blocking.")
     groups_per_lease: int | None = Field(
         None,

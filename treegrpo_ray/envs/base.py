@@ -42,6 +42,18 @@ class StepResult:
     tool_call: bool
 
 
+@dataclass(frozen=True)
+class EpisodeState:
+    """One episode's position (the state of the QA environments): the sample, actions taken, the
+    answer given, whether every action so far was well formed, whether the episode ended."""
+
+    sample: Sample
+    turn: int = 0
+    answer: str | None = None
+    format_valid: bool = True
+    done: bool = False
+
+
 class AgentEnv(Protocol):
     """A multi-turn agent environment driven by text actions."""
 

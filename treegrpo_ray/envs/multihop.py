@@ -29,7 +29,7 @@ from functools import cached_property
 
 from pydantic import BaseModel, Field, model_validator
 
-from treegrpo_ray.envs.base import Sample, StepResult
+from treegrpo_ray.envs.base import EpisodeState, Sample, StepResult
 from treegrpo_ray.rewards import exact_match, format_aware_em
 
 Fact = tuple[str, str, str]
@@ -203,17 +203,6 @@ class MultihopTask:
         return list(dict.fromkeys(words))
 
 
-@dataclass(frozen=True)
-class MultihopState:
-    """One episode's position: the sample, actions taken, the answer given, format validity."""
-
-    sample: Sample
-    turn: int = 0
-    answer: str | None = None
-    format_valid: bool = True
-    done: bool = False
-
-
 def parse_action(action_text: str) -> tuple[str, str | None]:
     """``("search"|"answer", entity)`` for a well-formed action, else ``("invalid", None)``."""
     words = action_text.split()
@@ -237,11 +226,11 @@ class MultihopEnv:
         self.cfg = task.cfg
         self._subjects = tuple(task.kb.facts)
 
-    def reset(self, sample: Sample) -> tuple[str, MultihopState]:
+    def reset(self, sample: Sample) -> tuple[str, EpisodeState]:
         """Prompt ``<question> WORDS ? </question> `` and the initial state."""
-        return f"<question> {sample.question} </question> ", MultihopState(sample)
+        return f"<question> {sample.question} </question> ", EpisodeState(sample)
 
-    def search(self, state: MultihopState, entity: str) -> str:
+    def search(self, state: EpisodeState, entity: str) -> str:
         """``<info> FACTS </info>``: the entity's facts plus distractors, in a seeded order.
 
         The order and distractors depend only on (seed, sample uid, turn, entity), so the same
@@ -257,7 +246,7 @@ class MultihopEnv:
         rng.shuffle(shown)
         return f" <info> {_fact_text(shown)} </info> "
 
-    def step(self, state: MultihopState, action_text: str) -> StepResult:
+    def step(self, state: EpisodeState, action_text: str) -> StepResult:
         """Apply one action; the input state is left untouched (it is frozen).
 
         An answer ends the episode; so does the ``max_turns``-th action of any kind, without
@@ -277,18 +266,18 @@ class MultihopEnv:
         return StepResult(self.search(state, entity or ""), new, False, role, True)
 
     def step_batch(
-        self, states: Sequence[MultihopState], action_texts: Sequence[str]
+        self, states: Sequence[EpisodeState], action_texts: Sequence[str]
     ) -> list[StepResult]:
         """``step`` over many branches (the knowledge base is in memory, so one by one)."""
         if len(states) != len(action_texts):
             raise ValueError(f"{len(states)} states but {len(action_texts)} actions")
         return [self.step(s, a) for s, a in zip(states, action_texts, strict=True)]
 
-    def reward(self, state: MultihopState) -> float:
+    def reward(self, state: EpisodeState) -> float:
         """Format-aware exact match: 1.0 / 0.8 / 0.2 / 0.1, or 0.0 without an answer."""
         return format_aware_em(state.answer, state.sample.answers, state.format_valid)
 
-    def success(self, state: MultihopState) -> bool:
+    def success(self, state: EpisodeState) -> bool:
         """Whether the answer given is correct (exact match), whatever the format."""
         return state.answer is not None and exact_match(state.answer, state.sample.answers) == 1.0
 
