@@ -205,10 +205,20 @@ def markdown(result: dict[str, Any], seconds: float) -> str:
                     f"{_pct(m['sampled_em'])} | {100 * m['greedy_em']['detectable']:.1f} | "
                     f"{c['wall_ratio']:.2f} |"
                 )
-    lines += ["", "## Targets", ""]
+    lines += ["", "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     for name, value in result["targets"].items():
-        lines.append(f"- {name}: {value}")
+        lines.append(f"| {name} | {_target_cells(value)} |")
     return "\n".join(lines) + "\n"
+
+
+def _target_cells(value: bool | dict[str, Any]) -> str:
+    """``met | figure`` cells: a difference in EM points or a wall-time ratio."""
+    if isinstance(value, bool):
+        return f"{'yes' if value else 'no'} | see the headline"
+    met = "yes" if value["met"] else "no"
+    if "ratio" in value:
+        return f"{met} | {value['ratio']:.2f}x"
+    return f"{met} | {100 * value['delta']:+.2f} points"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -238,7 +248,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 ]
                 ax.errorbar(xs, ys, yerr=errs, marker=marker, capsize=3, label=method)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{start} warm start: {metric.replace('_', ' ')}")
+            ax.set_title(f"{start} warm start: {metric.replace('_em', ' EM')}")
             ax.set_ylabel("held-out EM (%)")
             ax.grid(alpha=0.3)
             ax.legend()
