@@ -22,6 +22,7 @@ Runs go to OUT/runs/START/ARM/seedN.json as they finish; a rerun skips those tha
 stopped suite loses nothing. Then OUT/results.json, OUT/results.md and OUT/budget_efficiency.png.
 
     treegrpo bench budget [--quick] [--preset tiny-multihop] [--out DIR] [--workers 2]
+                          [--steps N] [--seeds N] [--arms chain-2,tree-1x2x1] [--starts low]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,6 +46,9 @@ if TYPE_CHECKING:  # the CLI imports this module to build its parser: torch etc.
 
 
 COSTS = ("generated_tokens", "tool_calls", "prefill_tokens", "cached_tokens", "leaves")
+# what a run learned from, averaged over its updates: the share of prompts whose leaves' rewards
+# differ (the only ones with a nonzero group advantage) and the mean leaf reward
+SIGNALS = {"groups_with_variance": "tree/groups_with_variance", "train_reward": "tree/reward_mean"}
 
 
 @dataclass(frozen=True)
@@ -206,8 +210,11 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
     cost = dict.fromkeys(COSTS, 0.0)  # totals so far
     points = [{"step": 0, "prompts": 0, "train_seconds": 0.0, **cost}]
     points[0].update(warm_start_evaluation(run, job, out))
+    signal: dict[str, list[float]] = {name: [] for name in SIGNALS}
     for step in range(1, settings.steps + 1):
         metrics = run.step()
+        for name, key in SIGNALS.items():
+            signal[name].append(metrics[key])
         for key in cost:
             cost[key] += metrics[f"budget/{key}"]
         if step in eval_steps(settings):
@@ -223,6 +230,7 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
         "budget": ARMS[job.arm].budget,
         "seed": job.seed,
         "seconds_per_update": run.train_seconds / settings.steps,
+        **{name: statistics.fmean(values) for name, values in signal.items()},
         "points": points,
     }
 
@@ -289,6 +297,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--steps", type=int, help="override the updates per run")
     parser.add_argument("--seeds", type=int, help="override the seeds per arm (and headline)")
+    parser.add_argument(
+        "--arms", type=_names(ARMS), help=f"a subset of the arms, comma-separated: {','.join(ARMS)}"
+    )
+    parser.add_argument(
+        "--starts", type=_names(FULL.starts), help="a subset of the warm starts: standard,low"
+    )
+
+
+def _names(known: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated subset of ``known``."""
+    known = tuple(known)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown or 'empty list'}; choose from {','.join(known)}"
+            )
+        return names
+
+    return parse
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -297,6 +327,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         settings = replace(settings, steps=args.steps)
     if args.seeds:
         settings = replace(settings, seeds=args.seeds, headline_seeds=args.seeds)
+    if args.arms:
+        settings = replace(settings, arms=args.arms)
+    if args.starts:
+        starts = {name: settings.starts[name] for name in args.starts}
+        settings = replace(settings, starts=starts)
     summary = run_suite(args.preset, settings, Path(args.out), args.workers)
     print(summary["line"])
     return 0

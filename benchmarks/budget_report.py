@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks.budget_stats import detectable_difference, matched_difference, mean_ci
 
 METRICS = ("greedy_em", "sampled_em")
+SIGNALS = ("groups_with_variance", "train_reward")  # per run, the mean over its updates
 # matching -> the cost the curves are matched on (None: the final evaluations, equal updates)
 MATCHINGS = {"updates": None, "tokens": "generated_tokens", "wall": "train_seconds"}
 PAIRS_KEY = "pairs"
@@ -45,6 +46,9 @@ def arm_summary(runs: dict[int, dict]) -> dict[str, Any]:
         out[f"{cost}_per_prompt"] = statistics.fmean(p[cost] / p["prompts"] for p in finals)
     for metric in METRICS:
         out[metric] = mean_ci([p[metric] for p in finals]).to_dict()
+    for signal in SIGNALS:  # absent from runs recorded before the suite kept them
+        if all(signal in r for r in runs.values()):
+            out[signal] = mean_ci([r[signal] for r in runs.values()]).to_dict()
     out["curve"] = [
         {
             "step": points[0]["step"],
@@ -176,17 +180,19 @@ def markdown(result: dict[str, Any], seconds: float) -> str:
         lines += ["", f"## Warm start: {start}", ""]
         lines += [
             "| arm | nominal budget | generated tokens / prompt | tool calls / prompt | "
-            "prefill tokens / prompt | s / update | greedy EM | sampled EM | seeds |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "prefill tokens / prompt | s / update | greedy EM | sampled EM | seeds | "
+            "prompts with reward variance | train reward |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         arms = sorted(data["arms"].items(), key=lambda kv: (kv[1]["method"], kv[1]["budget"]))
         warm = next(iter(data["arms"].values()))["curve"][0]
         for name, a in arms:
+            signals = " | ".join(_pct(a[s]) if s in a else "–" for s in SIGNALS)
             lines.append(
                 f"| {name} | {a['budget']} | {a['generated_tokens_per_prompt']:.1f} | "
                 f"{a['tool_calls_per_prompt']:.2f} | {a['prefill_tokens_per_prompt']:.0f} | "
                 f"{a['seconds_per_update']:.2f} | {_pct(a['greedy_em'])} | "
-                f"{_pct(a['sampled_em'])} | {len(a['seeds'])} |"
+                f"{_pct(a['sampled_em'])} | {len(a['seeds'])} | {signals} |"
             )
         lines += [
             "",

@@ -1,13 +1,14 @@
 """The budget suite's machinery on 2-update runs: jobs, cost accounting, matching, aggregation
 over seeds, table and plot, and a rerun that skips finished runs."""
 
+import argparse
 import json
 from dataclasses import replace
 
 import pytest
 import yaml
 
-from benchmarks.budget_efficiency import QUICK, jobs, run_suite
+from benchmarks.budget_efficiency import QUICK, add_arguments, jobs, run_suite
 from benchmarks.budget_stats import interpolate
 
 ARMS = ("chain-2", "chain-3", "tree-1x2x1")
@@ -53,6 +54,8 @@ def test_every_run_records_its_measured_cost_along_the_run(suite):
         assert final["leaves"] == leaves[job.arm] * 4
         assert 0 < points[1]["generated_tokens"] < final["generated_tokens"]
         assert 0 < points[1]["train_seconds"] < final["train_seconds"]
+        record = _record(out, job.start, job.arm, job.seed)
+        assert 0 <= record["groups_with_variance"] <= 1 and 0 <= record["train_reward"] <= 1
     assert sum(line.startswith("[") for line in log) == 12
 
 
@@ -100,6 +103,10 @@ def test_report_files(suite):
     assert saved["headline"]["mean"] == pytest.approx(result["headline"]["mean"])
     arm = saved["starts"]["standard"]["arms"]["tree-1x2x1"]
     assert arm["leaves_per_prompt"] == 3.0 and arm["seeds"] == [0, 1]
+    runs = [_record(out, "standard", "tree-1x2x1", s) for s in (0, 1)]
+    assert arm["groups_with_variance"]["mean"] == pytest.approx(
+        sum(r["groups_with_variance"] for r in runs) / 2
+    )
     table = (out / "results.md").read_text()
     assert "**Headline (pre-registered)**: tree-1x2x1 − chain-2" in table
     for name in ARMS:
@@ -113,3 +120,12 @@ def test_a_rerun_skips_finished_runs(suite):
     again = run_suite(preset, settings, out, workers=1, log=log.append)
     assert "12 runs, 0 to do, 1 at a time" in log
     assert again["headline"]["mean"] == result["headline"]["mean"]
+
+
+def test_arm_and_start_subsets_from_the_command_line():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--arms", "chain-2,tree-1x2x1", "--starts", "low"])
+    assert args.arms == ("chain-2", "tree-1x2x1") and args.starts == ("low",)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--arms", "chain-5"])
