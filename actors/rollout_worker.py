@@ -30,6 +30,7 @@ from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
 from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv, SearchQATask
 from treegrpo_ray.modeling import load_policy, load_tokenizer
 from treegrpo_ray.search import Expansion, TreePlanner
+from treegrpo_ray.stops import StopStrings
 from treegrpo_ray.tree import AgentStep, Tree, arrow_metadata, trees_to_arrow
 
 
@@ -94,10 +95,7 @@ class RolloutWorker:
         self.env = make_env(task, search)
         self.shape = tree.shape()
         self.sampling = sampling
-        self.stop_ids = tuple(
-            tuple(self.tokenizer.encode(s, add_special_tokens=False))
-            for s in self.env.stop_sequences
-        )
+        self.stops = StopStrings(self.env.stop_sequences, self.tokenizer.decode)
 
     def policy_version(self) -> int:
         return self.engine.version
@@ -156,7 +154,7 @@ class RolloutWorker:
         trees = []
         for group_id, sample in groups:
             prompt, state = self.env.reset(sample)
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            prompt_ids = self.tokenizer.encode(prompt)  # with the tokenizer's BOS, if it has one
             for j in range(copies):
                 tree_id = group_id * copies + j
                 trees.append(Tree(tree_id, group_id, prompt_ids, root_state=state))
@@ -216,7 +214,7 @@ class RolloutWorker:
         return GenerationRequest(
             prefix_ids=tuple(tree.prefix_ids(expansion.node_id)),
             params=params,
-            stop_sequences=self.stop_ids,
+            stop=self.stops,
         )
 
     def _add_node(

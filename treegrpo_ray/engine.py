@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from treegrpo_ray.stops import StopStrings
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,19 +26,19 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerationRequest:
     """prefix_ids: the full token prefix to continue (prefix caches match on these token ids, so
-    no hint about the tree node is needed). stop_sequences: token-id sequences that end generation
-    (included in the output)."""
+    no hint about the tree node is needed). stop: strings that end generation at the token that
+    completes one in the decoded text (that token is the last of the output); None: no stop."""
 
     prefix_ids: tuple[int, ...]
     params: SamplingParams
-    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    stop: StopStrings | None = None
 
 
 @dataclass
 class GenerationResult:
     """token_ids: the new tokens; logprobs: their log-probabilities under the sampling distribution
     (logits / temperature, before top-p truncation; under T = 1 for greedy); finish_reason: ``stop``
-    (a stop sequence ended it), ``length`` (max_new_tokens reached) or ``context`` (the model's context
+    (a stop string ended it), ``length`` (max_new_tokens reached) or ``context`` (the model's context
     is full or the prefix alone exceeds it); prefill_tokens / cached_tokens: prefix tokens computed vs
     served from a cache."""
 

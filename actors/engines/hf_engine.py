@@ -58,11 +58,10 @@ class _Row:
         self._check_finished()
 
     def _check_finished(self) -> None:
-        for stop in self.request.stop_sequences:
-            if tuple(self.token_ids[-len(stop) :]) == stop:
-                self.finish_reason = "stop"
-                return
-        if len(self.token_ids) >= self.request.params.max_new_tokens:
+        stop = self.request.stop
+        if stop is not None and stop.completed(self.token_ids):
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.request.params.max_new_tokens:
             self.finish_reason = "length"
 
 

@@ -43,9 +43,13 @@ without it. What each vLLM call relies on (paths inside the ``vllm`` package of 
 - ``RequestOutput.num_cached_tokens`` (``outputs.py``): prompt tokens served by the prefix cache,
   set from ``PrefillStats`` (``v1/metrics/stats.py``) in ``v1/engine/output_processor.py``.
 
-Stop sequences are token-id tuples; vLLM stops only on single token ids (stop *strings* match
-decoded text, which is not token-exact). So each request stops on the last token of any of its stop
-sequences; when the tokens before it do not complete the sequence (a false stop), the request goes
+Stop strings (``treegrpo_ray/stops.py``) go to vLLM as ``stop`` with
+``include_stop_str_in_output=True``; they need ``detokenize=True`` (``sampling_params.py`` refuses
+stop strings without it), so the LLM loads the model directory's tokenizer. vLLM's detokenizer
+looks for them in the new text and keeps the output tokens up to the one that completes a match
+(``v1/engine/detokenizer.py`` ``BaseIncrementalDetokenizer.update``): the Engine contract. Each
+result is checked with the request's own ``StopStrings.end``: tokens after its first match are cut,
+and a vLLM stop it does not confirm (a decoding difference) counts as not finished: the request goes
 on as a new vLLM request whose prompt is prefix + tokens so far (the prefix cache serves most of it).
 Every segment keeps the request's seed: the V2 model runner (the default on CUDA) draws its Gumbel
 noise from a hash of (seed, absolute position) (``v1/worker/gpu/sample/gumbel.py``
@@ -57,7 +61,7 @@ recompute is reported apart (``extra`` of the result, ``cache_stats``).
 Deviations from the CPU engine (``actors/engines/hf_engine.py``): with ``top_p < 1`` the log-probs
 are normalised over the nucleus (vLLM offers no pre-top-p value after temperature); temperatures in
 (0, 0.01) or above 2 are refused (vLLM clamps or rejects them). Like the CPU engine, EOS does not end
-generation (``ignore_eos``); make it a one-token stop sequence if it should.
+generation (``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from typing import Any
 from actors.engines.prefix_cache import CacheStats
 from treegrpo_ray.config import VLLMConfig
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
+from treegrpo_ray.stops import StopStrings
 
 # config/lora.py MaxLoRARanks: the only ranks vLLM 0.33 accepts for max_lora_rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -95,12 +100,12 @@ def lora_identity(version: int) -> tuple[str, int]:
 
 
 def sampling_kwargs(
-    params: SamplingParams, stop_sequences: Sequence[tuple[int, ...]], max_tokens: int
+    params: SamplingParams, stop: StopStrings | None, max_tokens: int
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one segment of a request.
 
-    Greedy when ``temperature <= 0``; stops on the last token of every stop sequence (the caller
-    checks the whole sequence); one log-prob per token (the sampled one); EOS is ignored.
+    Greedy when ``temperature <= 0``; stop strings kept in the output (the caller checks them
+    again); one log-prob per token (the sampled one); EOS is ignored.
     """
     greedy = params.temperature <= 0
     if not greedy and not MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE:
@@ -116,25 +121,12 @@ def sampling_kwargs(
         "min_p": 0.0,
         "seed": params.seed,
         "max_tokens": max_tokens,
-        "stop_token_ids": sorted({stop[-1] for stop in stop_sequences if stop}),
+        "stop": list(stop.strings) if stop is not None else None,
+        "include_stop_str_in_output": True,
+        "detokenize": stop is not None,
         "ignore_eos": True,
         "logprobs": 0,
-        "detokenize": False,
     }
-
-
-def first_stop_end(
-    token_ids: Sequence[int], stop_sequences: Sequence[tuple[int, ...]]
-) -> int | None:
-    """Length of the shortest prefix of ``token_ids`` that ends with a stop sequence, or None."""
-    stops = [stop for stop in stop_sequences if stop]
-    last_tokens = {stop[-1] for stop in stops}
-    for end, token in enumerate(token_ids, start=1):
-        if token in last_tokens and any(
-            len(stop) <= end and tuple(token_ids[end - len(stop) : end]) == stop for stop in stops
-        ):
-            return end
-    return None
 
 
 def sampled_logprobs(
@@ -150,7 +142,7 @@ def sampled_logprobs(
 
 @dataclass
 class RequestProgress:
-    """One request across its vLLM segments (see the module docstring on stop sequences).
+    """One request across its vLLM segments (see the module docstring on stop strings).
 
     ``finish_reason`` is None while the request must go on; a prefix that fills the context, or a
     zero token budget, finishes it before any segment. prefill_tokens / cached_tokens count the
@@ -203,7 +195,8 @@ class RequestProgress:
         self.segments += 1
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
-        end = first_stop_end(self.token_ids, self.request.stop_sequences)
+        stop = self.request.stop
+        end = stop.end(self.token_ids) if stop is not None else None
         if end is not None:
             del self.token_ids[end:], self.logprobs[end:]
             self.finish_reason = "stop"
@@ -239,7 +232,7 @@ def generate_in_segments(
 
     ``run_segments(progress)`` returns one vLLM ``RequestOutput`` per unfinished request, in order
     (``outputs[0]`` a ``CompletionOutput``, plus ``num_cached_tokens``). A round only re-runs the
-    requests that hit a false stop; each round adds at least one token to each, so it terminates.
+    requests whose stop was not confirmed; each round adds at least one token to each, so it terminates.
     """
     progress = [RequestProgress(r, max_model_len) for r in requests]
     open_ = [p for p in progress if p.finish_reason is None]
@@ -297,7 +290,7 @@ class VLLMEngine:
         lora = {"max_lora_rank": vllm_lora_rank(settings.max_lora_rank), "max_loras": 1}
         self.llm = LLM(
             model=model_path,
-            skip_tokenizer_init=True,  # token ids in and out; no detokenizer
+            skip_tokenizer_init=False,  # token ids in and out; the detokenizer finds stop strings
             tensor_parallel_size=tp,
             # TP > 1 inside a Ray actor: workers go into the actor's placement group
             # (see cluster/engines.py); one GPU runs in-process ("uni", vLLM's default).
@@ -348,7 +341,7 @@ class VLLMEngine:
         prompts, params = [], []
         for p in progress:
             prompts.append(TokensPrompt(prompt_token_ids=p.prompt_ids(), cache_salt=salt))
-            kwargs = sampling_kwargs(p.request.params, p.request.stop_sequences, p.remaining())
+            kwargs = sampling_kwargs(p.request.params, p.request.stop, p.remaining())
             params.append(VLLMSamplingParams(**kwargs))
         return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
 

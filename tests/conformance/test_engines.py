@@ -27,6 +27,7 @@ from treegrpo_ray.engine import (
     SamplingParams,
 )
 from treegrpo_ray.modeling import load_policy, load_tokenizer
+from treegrpo_ray.stops import StopStrings
 
 CACHE_BYTES = 64 * 2**20
 OBSERVATION = " <info> p51 born_in y19 . c20 based_in k12 . p3 works_for c27 . </info> "
@@ -75,12 +76,12 @@ def make_engine(request) -> Callable[[str, bool], Engine]:
     return request.param
 
 
-def _requests(prefixes, temperature: float, max_new_tokens: int = 8, stops=()):
+def _requests(prefixes, temperature: float, max_new_tokens: int = 8, stop=None):
     return [
         GenerationRequest(
             tuple(prefix),
             SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=100 + i),
-            stop_sequences=stops,
+            stop=stop,
         )
         for i, prefix in enumerate(prefixes)
     ]
@@ -140,15 +141,16 @@ def test_sampled_logprobs_match_a_reference_forward_pass(make_engine, tiny_polic
                 )
 
 
-def test_stop_sequences_end_generation_and_are_included(make_engine, tiny_policy):
+def test_stop_strings_end_generation_at_the_completing_token(make_engine, tiny_policy):
     tokenizer = load_tokenizer(tiny_policy)
     engine = make_engine(tiny_policy, True)
     prompt = tokenizer.encode(QUESTIONS[1], add_special_tokens=False)
     free = engine.generate(_requests([prompt], 0.0, max_new_tokens=8))[0].token_ids
-    stop = tuple(free[2:4])
-    other_stop = (tokenizer.pad_token_id, tokenizer.pad_token_id)
-    stopped = engine.generate(_requests([prompt], 0.0, stops=(other_stop, stop)))[0]
-    end = next(j + 2 for j in range(len(free) - 1) if tuple(free[j : j + 2]) == stop)
+    text = tokenizer.decode(free[2:4])
+    stop = StopStrings(("no such text", text), tokenizer.decode)
+    stopped = engine.generate(_requests([prompt], 0.0, stop=stop))[0]
+    # the first token after which the decoded output contains the string
+    end = next(n for n in range(1, len(free) + 1) if text in tokenizer.decode(free[:n]))
     assert stopped.token_ids == free[:end]
     assert stopped.finish_reason == "stop"
     assert len(stopped.logprobs) == len(stopped.token_ids)

@@ -17,9 +17,7 @@ def test_greedy_tokens_match_between_cpu_and_cuda(tiny_policy):
     cpu_model, tokenizer = load_policy(tiny_policy)
     cuda_model, _ = load_policy(tiny_policy)
     prompt = tokenizer.encode("<question> who is the employer of p3 ? </question>")
-    request = GenerationRequest(
-        tuple(prompt), SamplingParams(temperature=0.0, max_new_tokens=8), stop_sequences=()
-    )
+    request = GenerationRequest(tuple(prompt), SamplingParams(temperature=0.0, max_new_tokens=8))
     cpu = HFEngine(cpu_model, tokenizer.pad_token_id).generate([request])[0]
     cuda = HFEngine(cuda_model.cuda(), tokenizer.pad_token_id).generate([request])[0]
     assert cuda.token_ids == cpu.token_ids

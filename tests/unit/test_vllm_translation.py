@@ -1,5 +1,5 @@
 """The vLLM engine's pure translation layer: our requests -> vLLM sampling arguments, vLLM outputs
--> GenerationResult (stop sequences, finish reasons, log-probs, prefill accounting), and the
+-> GenerationResult (stop strings, finish reasons, log-probs, prefill accounting), and the
 LoRA adapter files. Runs without vLLM: its outputs are replaced by hand-made test doubles."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from actors.engines.vllm_engine import (
     RequestProgress,
-    first_stop_end,
     generate_in_segments,
     lora_identity,
     sampled_logprobs,
@@ -27,6 +26,12 @@ from cluster.engines import vllm_actor_options
 from treegrpo_ray.config import VLLMConfig
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.stops import StopStrings
+
+# The test doubles' token texts: 7 9 spell the stop string "</s>"; 10 is ">\n", a token that runs
+# past the end of the stop string it completes.
+TEXT = {1: "a ", 2: "b ", 3: "c ", 4: "d ", 5: "e ", 6: "f ", 7: "</s", 8: "g ", 9: ">", 10: ">\n"}
+STOP = StopStrings(("</s>",), lambda ids: "".join(TEXT[i] for i in ids))
 
 
 @dataclass
@@ -66,17 +71,17 @@ def completion(
     return FakeCompletionOutput(tokens, steps, finish, stop_reason)
 
 
-def request(prefix, max_new=8, stops=(), temperature=1.0, top_p=1.0, seed=None):
+def request(prefix, max_new=8, stop=None, temperature=1.0, top_p=1.0, seed=None):
     params = SamplingParams(temperature, top_p, max_new, seed)
-    return GenerationRequest(tuple(prefix), params, tuple(tuple(s) for s in stops))
+    return GenerationRequest(tuple(prefix), params, stop)
 
 
 # --- request -> vllm.SamplingParams kwargs -------------------------------------------------------
 
 
-def test_sampling_kwargs_greedy_ignores_top_p_and_stops_on_last_stop_tokens():
+def test_sampling_kwargs_greedy_ignores_top_p_and_passes_the_stop_strings():
     params = SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=9, seed=3)
-    kwargs = sampling_kwargs(params, ((7, 9), (4,), (8, 9), ()), max_tokens=5)
+    kwargs = sampling_kwargs(params, StopStrings(("</s>", "!"), str), max_tokens=5)
     assert kwargs == {
         "n": 1,
         "temperature": 0.0,
@@ -85,17 +90,18 @@ def test_sampling_kwargs_greedy_ignores_top_p_and_stops_on_last_stop_tokens():
         "min_p": 0.0,
         "seed": 3,
         "max_tokens": 5,  # the segment's budget, not max_new_tokens
-        "stop_token_ids": [4, 9],  # last token of each non-empty stop sequence, deduplicated
+        "stop": ["</s>", "!"],
+        "include_stop_str_in_output": True,
+        "detokenize": True,  # vLLM matches stop strings on the text
         "ignore_eos": True,
         "logprobs": 0,  # only the sampled token's log-prob
-        "detokenize": False,
     }
 
 
-def test_sampling_kwargs_sampled():
-    kwargs = sampling_kwargs(SamplingParams(0.7, 0.9, 16, None), (), max_tokens=16)
+def test_sampling_kwargs_sampled_without_stops():
+    kwargs = sampling_kwargs(SamplingParams(0.7, 0.9, 16, None), None, max_tokens=16)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["seed"]) == (0.7, 0.9, None)
-    assert kwargs["stop_token_ids"] == []
+    assert (kwargs["stop"], kwargs["detokenize"]) == (None, False)
 
 
 @pytest.mark.parametrize("temperature", [0.005, 2.5])
@@ -105,16 +111,6 @@ def test_sampling_kwargs_refuses_temperatures_vllm_would_change(temperature):
 
 
 # --- stop sequences and log-probs ----------------------------------------------------------------
-
-
-def test_first_stop_end_finds_the_earliest_complete_stop_sequence():
-    stops = ((7, 9), (4,))
-    # 9 at index 1 follows 5, not 7 (no stop); (7, 9) completes at index 5; (4,) only at index 6.
-    assert first_stop_end([5, 9, 7, 8, 7, 9, 4], stops) == 6
-    assert first_stop_end([5, 9, 7, 8], stops) is None
-    assert first_stop_end([9], stops) is None  # shorter than the stop sequence
-    assert first_stop_end([4, 7, 9], stops) == 1
-    assert first_stop_end([1, 2], ()) is None
 
 
 def test_sampled_logprobs_picks_each_sampled_token():
@@ -132,8 +128,8 @@ def absorb(progress: RequestProgress, out: FakeCompletionOutput, cached: int | N
     progress.absorb(tokens, sampled_logprobs(tokens, out.logprobs), out.finish_reason, cached)
 
 
-def test_stop_sequence_ends_the_request_and_is_kept():
-    p = RequestProgress(request([1, 2, 3], stops=[(7, 9)]), max_model_len=64)
+def test_stop_string_ends_the_request_and_is_kept():
+    p = RequestProgress(request([1, 2, 3], stop=STOP), max_model_len=64)
     absorb(p, completion([4, 7, 9], [-1.0, -2.0, -0.5], "stop"), cached=0)
     result = p.result()
     assert (result.token_ids, result.logprobs) == ([4, 7, 9], [-1.0, -2.0, -0.5])
@@ -141,9 +137,15 @@ def test_stop_sequence_ends_the_request_and_is_kept():
     assert result.extra == {}  # one segment
 
 
-def test_false_stop_resumes_with_the_tokens_so_far():
-    # vLLM stops on 9, the last token of (7, 9); after 4 it is not the stop sequence.
-    p = RequestProgress(request([1, 2, 3], max_new=6, stops=[(7, 9)]), max_model_len=64)
+def test_a_token_running_past_the_stop_string_is_kept_whole():
+    p = RequestProgress(request([1], stop=STOP), max_model_len=64)
+    absorb(p, completion([4, 7, 10], [-1.0, -2.0, -0.5], "stop"))
+    assert (p.token_ids, p.finish_reason) == ([4, 7, 10], "stop")
+
+
+def test_an_unconfirmed_stop_resumes_with_the_tokens_so_far():
+    # vLLM reports a stop that the request's own check does not find in "d >".
+    p = RequestProgress(request([1, 2, 3], max_new=6, stop=STOP), max_model_len=64)
     absorb(p, completion([4, 9], [-1.0, -2.0], "stop"), cached=0)
     assert p.finish_reason is None
     assert p.prompt_ids() == [1, 2, 3, 4, 9]  # next segment's prompt
@@ -159,8 +161,8 @@ def test_false_stop_resumes_with_the_tokens_so_far():
     assert result.extra == {"segments": 2, "resume_prefill_tokens": 3}
 
 
-def test_tokens_after_a_stop_sequence_are_cut():
-    p = RequestProgress(request([1], stops=[(7, 9)]), max_model_len=64)
+def test_tokens_after_a_stop_string_are_cut():
+    p = RequestProgress(request([1], stop=STOP), max_model_len=64)
     absorb(p, completion([7, 9, 5], [-1.0, -2.0, -3.0], "length"))
     assert (p.token_ids, p.logprobs, p.finish_reason) == ([7, 9], [-1.0, -2.0], "stop")
 
@@ -173,8 +175,8 @@ def test_length_and_context_finish_reasons():
     p = RequestProgress(request([1, 2, 3, 4], max_new=10), max_model_len=6)
     absorb(p, completion([5, 6], [-1.0] * 2, "length"))
     assert p.finish_reason == "context"
-    # A stop sequence completed by the last allowed token is a stop, not a length finish.
-    p = RequestProgress(request([1], max_new=2, stops=[(7, 9)]), max_model_len=64)
+    # A stop string completed by the last allowed token is a stop, not a length finish.
+    p = RequestProgress(request([1], max_new=2, stop=STOP), max_model_len=64)
     absorb(p, completion([7, 9], [-1.0] * 2, "stop"))
     assert p.finish_reason == "stop"
 
@@ -208,24 +210,24 @@ class ScriptedLLM:
         ]
 
 
-def test_generate_in_segments_reruns_only_false_stops_and_keeps_request_order():
+def test_generate_in_segments_reruns_only_unconfirmed_stops_and_keeps_request_order():
     llm = ScriptedLLM(
         {
-            (1, 2): (completion([3, 9], [-0.5, -0.5], "stop"), 0),  # (8, 9) not complete
-            (1, 2, 3, 9): (completion([8, 9], [-1.0, -2.0], "stop"), 2),
-            (5,): (completion([8, 9], [-0.1, -0.2], "stop"), 0),
+            (1, 2): (completion([3, 9], [-0.5, -0.5], "stop"), 0),  # "c >": no "</s>"
+            (1, 2, 3, 9): (completion([7, 9], [-1.0, -2.0], "stop"), 2),
+            (5,): (completion([7, 9], [-0.1, -0.2], "stop"), 0),
         }
     )
     requests = [
-        request([1, 2], max_new=8, stops=[(8, 9)]),
-        request([6] * 10, stops=[(8, 9)]),  # fills the context: never sent to vLLM
-        request([5], max_new=8, stops=[(8, 9)]),
+        request([1, 2], max_new=8, stop=STOP),
+        request([6] * 10, stop=STOP),  # fills the context: never sent to vLLM
+        request([5], max_new=8, stop=STOP),
     ]
     progress = generate_in_segments(requests, max_model_len=10, run_segments=llm)
     assert llm.rounds == [[((1, 2), 8), ((5,), 8)], [((1, 2, 3, 9), 6)]]
     assert [p.segments for p in progress] == [2, 0, 1]
     results = [p.result() for p in progress]
-    assert [r.token_ids for r in results] == [[3, 9, 8, 9], [], [8, 9]]
+    assert [r.token_ids for r in results] == [[3, 9, 7, 9], [], [7, 9]]
     assert [r.finish_reason for r in results] == ["stop", "context", "stop"]
     assert results[0].logprobs == [-0.5, -0.5, -1.0, -2.0]
     assert [(r.prefill_tokens, r.cached_tokens) for r in results] == [(2, 0), (0, 0), (1, 0)]
