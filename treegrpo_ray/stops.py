@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -31,7 +32,7 @@ class StopStrings:
         if not self.strings or not all(self.strings):
             raise ValueError(f"stop strings must be non-empty, got {self.strings!r}")
 
-    @property
+    @cached_property  # read after every generated token
     def window(self) -> int:
         return max(len(s) for s in self.strings) + 1
 
