@@ -173,12 +173,17 @@ class Controller:
 
     # --- the lease loop -----------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, evaluate_first: bool = False) -> None:
         """Issue leases to idle workers and enqueue finished tree batches until the learner has
-        published its last version (or the job stops)."""
+        published its last version (or the job stops).
+
+        ``evaluate_first``: a new run's "before" held-out evaluation runs here, ahead of the
+        first lease, so that it overlaps the learner group's start-up."""
         with self.lock:
             self.running = True
         try:
+            if evaluate_first:
+                self.final_evaluation("before")
             while self._wait_while_paused():
                 with self.lock:
                     self._plan_steps()

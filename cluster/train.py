@@ -231,9 +231,7 @@ def train(
     if on_start is not None:
         on_start(controller)
     try:
-        if not resume:
-            ray.get(controller.final_evaluation.remote("before"))
-        production = controller.run.remote()
+        production = controller.run.remote(evaluate_first=not resume)
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
