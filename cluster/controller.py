@@ -155,6 +155,7 @@ class Controller:
         self.learners: dict[int, dict[str, Any]] = {}
         self.learner_restarts = 0
         self.worker_cache: dict[int, dict[str, float]] = {}
+        self.evaluations_running = 0  # a scaled-down worker is only stopped when this is 0
         self.started = time.perf_counter()
         self.busy_s, self.interval_start = 0.0, self.started
         self.running = self.paused = self.parked = self.stopped = False
@@ -174,8 +175,9 @@ class Controller:
     # --- the lease loop -----------------------------------------------------------------------
 
     def run(self, evaluate_first: bool = False) -> None:
-        """Issue leases to idle workers and enqueue finished tree batches until the learner has
-        published its last version (or the job stops).
+        """Issue leases to idle workers and enqueue finished tree batches until ``stop``: the
+        driver stops it once the learner group has finished, since a learner restarted after
+        the last version still needs its steps redone.
 
         ``evaluate_first``: a new run's "before" held-out evaluation runs here, ahead of the
         first lease, so that it overlaps the learner group's start-up."""
@@ -206,7 +208,7 @@ class Controller:
                 self.lock.notify_all()
                 self.lock.wait_for(lambda: not self.paused or self.stopped)
                 self.parked = False
-            return not self.stopped and self.version < self.cfg.train.steps
+            return not self.stopped
 
     def _plan_steps(self) -> None:
         """Queue the leases of every step the staleness bound allows now."""
@@ -378,16 +380,29 @@ class Controller:
         ray.get(refs)
 
     def evaluate(self, questions: int, temperature: float) -> float:
-        """Held-out success rate (one chain per question), sharded over the workers."""
-        self._sync_all()
+        """Held-out success rate (one chain per question), sharded over the workers.
+
+        No worker is stopped by a scale-down while it runs (it would take its shard along)."""
         with self.lock:
-            handles = [self.pool.workers[w].handle for w in self.pool.active()]
-        samples = self.heldout[:questions]
-        shards = [samples[i :: len(handles)] for i in range(len(handles))]
-        seed = eval_seed(self.cfg.train.seed)
-        results = ray.get(
-            [h.evaluate.remote(s, temperature, seed) for h, s in zip(handles, shards, strict=True)]
-        )
+            self.evaluations_running += 1
+        try:
+            self._sync_all()
+            with self.lock:
+                handles = [self.pool.workers[w].handle for w in self.pool.active()]
+            samples = self.heldout[:questions]
+            shards = [samples[i :: len(handles)] for i in range(len(handles))]
+            seed = eval_seed(self.cfg.train.seed)
+            results = ray.get(
+                [
+                    h.evaluate.remote(s, temperature, seed)
+                    for h, s in zip(handles, shards, strict=True)
+                ]
+            )
+        finally:
+            with self.lock:
+                self.evaluations_running -= 1
+                for worker_id in list(self.pool.workers):
+                    self._retire_if_asked(worker_id)
         return statistics.fmean(x for shard in results for x in shard)
 
     def final_evaluation(self, when: str) -> dict[str, float]:
@@ -433,10 +448,16 @@ class Controller:
         }
 
     def _retire_if_asked(self, worker_id: int) -> None:
-        """Stop a retiring worker once it holds no lease (caller holds the lock)."""
+        """Stop a retiring worker once it holds no lease and no evaluation runs (caller holds
+        the lock)."""
         worker = self.pool.workers.get(worker_id)
         holds_lease = any(item.worker_id == worker_id for item in self.in_flight.values())
-        if worker is not None and worker.retiring and not holds_lease:
+        if (
+            worker is not None
+            and worker.retiring
+            and not holds_lease
+            and not self.evaluations_running
+        ):
             self.pool.remove(worker_id)
             self.lock.notify_all()
 

@@ -252,6 +252,7 @@ def train(
         failure = ray.get(controller.failure_reason.remote())
         if failure:
             raise TrainingStopped(failure)
+        ray.get(controller.stop.remote())
         ray.get(production)
         summary = ray.get(controller.summary.remote())
     finally:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "jobs-e2e"
-STEPS = 8
+STEPS = 100
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -97,8 +97,9 @@ def finished_job(ray_cluster, tiny_cfg, tiny_policy, tmp_path_factory) -> Finish
         job = submitted.stdout.split()[1]  # "submitted ID to URL"
         assert job.startswith(f"treegrpo-{RUN_NAME}-")
         assert f"treegrpo logs {job} --follow --address {url}" in submitted.stdout
-        # Scaling right after submitting waits for the job's controller to start; both scale
-        # requests reach it while the learner starts up (tens of seconds, then STEPS steps).
+        # Scaling right after submitting waits for the job's controller to start. Each scale
+        # request is a short Ray job (about 25 s here); STEPS (about 0.4 s each) leaves the
+        # second one well inside the run.
         scaled = [_cli("scale", job, "--rollout-workers", "2", "--address", url)]
         scaled.append(_cli("scale", RUN_NAME, "--rollout-workers", "1", "--address", url))
         # Returns when the job has ended (the log stream closes); pytest's timeout bounds it.
@@ -158,6 +159,8 @@ def test_scale_resizes_the_running_job(finished_job, with_token):
     assert summary["learner/restarts"] == 0
     records = [json.loads(line) for line in (finished_job.run_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    workers = [r["rollout/workers"] for r in records]
+    assert 2.0 in workers and workers[-1] == 1.0  # grown, then shrunk, while it trained
     assert len(summary["placement"]["rollout"]) == 1
 
 
