@@ -1,8 +1,8 @@
 """A real two-node Ray cluster on this machine, with token authentication on.
 
 ``start_cluster(root)`` is a context manager (for tests that kill or add nodes); ``ray_cluster``
-is the session-wide one. Head: 1 CPU + ``{"learner_node": 1}``, dashboard on 127.0.0.1; second
-node: 1 CPU + ``{"rollout_node": 1}``. Each node is a ``ray start --block`` child of the test
+is the one a test module shares. Head: 1 CPU + ``{"learner_node": 1}``, dashboard on 127.0.0.1;
+second node: 1 CPU + ``{"rollout_node": 1}``. Each node is a ``ray start --block`` child of the test
 process with its own temp dir and free ports; stopping it stops that node's Ray processes and
 nothing else on the machine (``ray stop`` would stop every Ray process here).
 """
@@ -171,8 +171,9 @@ def start_cluster(
             shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayTestCluster]:
-    """The two-node token-auth cluster, shared by the tests of a session (do not kill nodes)."""
+    """The two-node token-auth cluster, shared by the tests of a module (do not kill nodes);
+    stopped after them, so that its idle processes do not slow the tests that follow."""
     with start_cluster() as cluster:
         yield cluster
