@@ -21,11 +21,13 @@ lag of 1 or more the workers keep generating while the learner trains.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import statistics
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -380,12 +382,8 @@ class Controller:
         ray.get(refs)
 
     def evaluate(self, questions: int, temperature: float) -> float:
-        """Held-out success rate (one chain per question), sharded over the workers.
-
-        No worker is stopped by a scale-down while it runs (it would take its shard along)."""
-        with self.lock:
-            self.evaluations_running += 1
-        try:
+        """Held-out success rate (one chain per question), sharded over the workers."""
+        with self._workers_kept():
             self._sync_all()
             with self.lock:
                 handles = [self.pool.workers[w].handle for w in self.pool.active()]
@@ -398,12 +396,21 @@ class Controller:
                     for h, s in zip(handles, shards, strict=True)
                 ]
             )
+        return statistics.fmean(x for shard in results for x in shard)
+
+    @contextlib.contextmanager
+    def _workers_kept(self) -> Iterator[None]:
+        """No worker is stopped by a scale-down inside this block (an evaluation would lose the
+        shard it gave that worker); the ones that left meanwhile are stopped at its end."""
+        with self.lock:
+            self.evaluations_running += 1
+        try:
+            yield
         finally:
             with self.lock:
                 self.evaluations_running -= 1
                 for worker_id in list(self.pool.workers):
                     self._retire_if_asked(worker_id)
-        return statistics.fmean(x for shard in results for x in shard)
 
     def final_evaluation(self, when: str) -> dict[str, float]:
         """Sampled (at the training temperature) and greedy held-out EM, remembered by ``when``."""
