@@ -1,7 +1,10 @@
 """Group-relative advantages over leaves: chain GRPO and Tree-GRPO (paper Eq. 6-8).
 
 Tree-GRPO: ``A = (R - mean_tree) / (std_tree + eps) + (R - mean_prompt) / (std_prompt + eps)``.
-Statistics use the unbiased std (``torch.std`` default) and ``eps = 1e-6`` as the reference code.
+Statistics use the unbiased std (``torch.std`` default) and ``eps = 1e-6`` as the reference code,
+computed in float64 on rewards shifted by the group's first reward: the result is the same, but a
+group of equal rewards gets exactly 0 at any size (in float32 the mean of n >= 7 copies of 0.8 is one
+rounding step off, and dividing by ``std + eps`` with std ~1e-8 turned that into -0.06).
 A group with a single leaf contributes 0 (deliberate deviation: the paper's code uses mean 0 / std 1,
 i.e. the raw reward; with 0 a one-leaf tree adds nothing and Tree-GRPO with N = 0 equals chain GRPO).
 
@@ -27,14 +30,15 @@ def group_normalized(
 
     rewards: (L,) float; group_ids: (L,) int. Returns (L,).
     """
-    out = torch.zeros_like(rewards)
+    out = torch.zeros_like(rewards, dtype=torch.float64)
     for group in torch.unique(group_ids):
         members = group_ids == group
         if int(members.sum()) < 2:
             continue
-        r = rewards[members]
-        out[members] = (r - r.mean()) / (r.std() + eps)
-    return out
+        r = rewards[members].double()
+        shifted = r - r[0]  # exact zeros for equal rewards; mean and std are shift-invariant
+        out[members] = (shifted - shifted.mean()) / (shifted.std() + eps)
+    return out.to(rewards.dtype)
 
 
 def chain_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from treegrpo_ray.advantage import chain_grpo_advantages, group_normalized, tree_grpo_advantages
@@ -37,6 +38,28 @@ def test_singleton_and_constant_groups_give_zero():
     rewards = torch.tensor([0.8, 0.2, 0.2, 0.5])
     group_ids = torch.tensor([0, 1, 1, 2])  # group 0 and 2 are singletons, group 1 constant
     assert torch.equal(group_normalized(rewards, group_ids), torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("reward", "size"),
+    # float32 used to give -0.056, -0.106, -0.0147, -0.0147, -0.0074 for the first five
+    [(0.8, 8), (0.8, 12), (0.2, 8), (0.2, 16), (0.1, 16), (1.0, 16), (0.3, 7), (0.7, 64)],
+)
+def test_equal_rewards_give_exactly_zero_at_any_group_size(reward, size):
+    rewards = torch.full((size,), reward)
+    group_ids = torch.zeros(size, dtype=torch.long)
+    assert torch.equal(chain_grpo_advantages(rewards, group_ids), torch.zeros(size))
+    tree_ids = torch.arange(size) // 4  # trees of 4 leaves (and a remainder) under one prompt
+    assert torch.equal(tree_grpo_advantages(rewards, tree_ids, group_ids), torch.zeros(size))
+
+
+def test_a_large_group_keeps_its_hand_computed_values():
+    # 15 leaves of 0.2 and one of 1.0: mean 0.25, deviations -0.05 (x15) and 0.75,
+    # unbiased std sqrt((15 * 0.0025 + 0.5625) / 15) = sqrt(0.04) = 0.2
+    rewards = torch.tensor([0.2] * 15 + [1.0])
+    got = chain_grpo_advantages(rewards, torch.zeros(16, dtype=torch.long))
+    expected = torch.tensor([-0.05 / (0.2 + 1e-6)] * 15 + [0.75 / (0.2 + 1e-6)])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
 def test_one_leaf_trees_reduce_tree_grpo_to_chain_grpo():
