@@ -7,11 +7,12 @@ Producers block while the queue is full (backpressure).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import ray
-from ray.util.queue import Empty, Queue
+from ray.util.queue import Empty, Full, Queue
 
 
 @dataclass
@@ -32,9 +33,18 @@ class TreeQueue:
         """Enqueue one tree batch by reference; blocks while the queue is full."""
         self._queue.put(QueueItem(refs=[ref]), timeout=timeout)
 
-    def put_error(self, message: str) -> None:
-        """Tell the consumer that production failed (it raises instead of waiting forever)."""
-        self._queue.put(QueueItem(error=message))
+    def put_error(self, message: str, timeout: float) -> None:
+        """Tell the consumer that production failed (it raises instead of waiting forever).
+
+        In a full queue the oldest batch makes room: production failed, so the run stops, and
+        the error must get through. Gives up after ``timeout`` s (``Full``)."""
+        item = QueueItem(error=message)
+        try:
+            self._queue.put_nowait(item)
+        except Full:
+            with contextlib.suppress(Empty):
+                self._queue.get_nowait()
+            self._queue.put(item, timeout=timeout)
 
     def get(self, timeout: float | None = None) -> pa.Table:
         """Dequeue the next tree batch and fetch its table from the object store."""

@@ -3,7 +3,7 @@ publishes policy versions, runs held-out evaluations, writes the metrics, scales
 
 It runs as one named Ray actor (``treegrpo-controller-NAME`` in the ``treegrpo`` namespace) with
 several threads: ``run`` (the lease loop) occupies one, while the learner's ``publish`` calls,
-the driver's ``wait_records`` polls and ``scale`` requests use the others.
+the driver's ``wait_records`` polls, ``scale`` requests and background evaluations use the others.
 
 Leases: each step's prompt groups are cut into leases of ``prompts_per_step / rollout_workers``
 groups; a lease's groups and seed depend only on the step and the run's seed, so any worker can
@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import statistics
 import threading
 import time
 import traceback
@@ -40,8 +39,9 @@ from torch.utils.tensorboard import SummaryWriter
 from actors.rollout_worker import Lease, load_task
 from actors.schedule import eval_seed, step_leases, training_order
 from actors.tree_queue import TreeQueue
+from cluster.evaluation import Evaluator, Measurement, Snapshot
 from cluster.retriever import retriever_actor_name, start_retriever
-from cluster.rollout_pool import RolloutPool
+from cluster.rollout_pool import RolloutPool, wait_for_placement
 from treegrpo_ray.config import RunConfig
 
 NAMESPACE = "treegrpo"
@@ -54,6 +54,7 @@ BUDGET_TOTALS = (
 )
 PLACEMENT_TIMEOUT_S = 120  # a new rollout worker that cannot be placed by then is given up
 POLL_S = 0.2  # the lease loop's longest wait before it looks at stop / pause / scale requests
+PUT_TIMEOUT_S = 60  # the longest wait for room in the queue for a failure message
 
 
 def controller_name(run_name: str) -> str:
@@ -65,13 +66,16 @@ class MetricsLog:
     """``metrics.jsonl`` plus a TensorBoard log in the run directory.
 
     ``rewind(step)`` (a resumed run, a restarted learner) drops the records of later steps, which
-    are about to be redone, from both; ``records`` holds the ones kept."""
+    are about to be redone, from both; ``records`` holds the ones kept. A record can be held back
+    (``add(..., ready=False)``) until its evaluation ``complete``s it; the records after it wait
+    with it, so the files stay in step order."""
 
     def __init__(self, run_dir: Path, resume_after: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
+        self.pending: dict[int, tuple[dict[str, Any], bool]] = {}  # step -> (record, ready)
         self.tensorboard: SummaryWriter | None = None
         self.jsonl = None
         if resume_after is None:
@@ -81,7 +85,30 @@ class MetricsLog:
 
     def rewind(self, step: int) -> None:
         self.close()
+        self.pending = {s: entry for s, entry in self.pending.items() if s <= step}
         self._open(_records_upto(self.path, step), step + 1)
+
+    def add(self, step: int, record: dict[str, Any], ready: bool = True) -> None:
+        """Write ``record`` once it and every earlier pending one are ready."""
+        self.pending[step] = (record, ready)
+        self._flush()
+
+    def complete(self, step: int, extra: dict[str, Any]) -> None:
+        """A held record's evaluation finished: add ``extra`` to it and write what is ready.
+        Nothing happens if a rewind dropped the step meanwhile."""
+        if step in self.pending:
+            record, _ = self.pending[step]
+            self.pending[step] = ({**record, **extra}, True)
+            self._flush()
+
+    def _flush(self) -> None:
+        while self.pending:
+            step = min(self.pending)
+            record, ready = self.pending[step]
+            if not ready:
+                return
+            del self.pending[step]
+            self.write(step, record)
 
     def _open(self, records: list[dict[str, Any]], purge_step: int | None) -> None:
         self.records[:] = records
@@ -158,6 +185,10 @@ class Controller:
         self.learner_restarts = 0
         self.worker_cache: dict[int, dict[str, float]] = {}
         self.evaluations_running = 0  # a scaled-down worker is only stopped when this is 0
+        self.evaluator = Evaluator(
+            self.heldout, eval_seed(cfg.train.seed), self.pool, self.lock, self._workers_kept
+        )
+        self.rewinds = 0  # an evaluation started before a rewind is dropped
         self.started = time.perf_counter()
         self.busy_s, self.interval_start = 0.0, self.started
         self.running = self.paused = self.parked = self.stopped = False
@@ -187,7 +218,8 @@ class Controller:
             self.running = True
         try:
             if evaluate_first:
-                self.final_evaluation("before")
+                measured = self.evaluator.measure(Snapshot(self.version, None), self._final())
+                self._remember("before", measured)
             while self._wait_while_paused():
                 with self.lock:
                     self._plan_steps()
@@ -195,7 +227,8 @@ class Controller:
                 self._collect(self._ready_receipts())
         except Exception as err:
             self.abort(f"rollout failed: {err}")
-            self.queue.put_error(traceback.format_exc(limit=5))
+            with contextlib.suppress(Full):  # no room: the learner is not consuming anyway
+                self.queue.put_error(traceback.format_exc(limit=5), timeout=PUT_TIMEOUT_S)
             raise
         finally:
             with self.lock:
@@ -319,21 +352,72 @@ class Controller:
         groups: list[int],
     ) -> None:
         """Record policy ``version`` (the update consumed ``groups``); workers get it before
-        their next lease. Evaluates when due, on every worker synced first."""
+        their next lease. When an evaluation is due it runs on the rollout workers in the
+        background and the version's record is written once it is done: the learner does not
+        wait for it."""
+        measurements = self._measurements_due(version)
         with self.lock:
             self.weights, self.version = weights[0], version
             self.consumed[version] = list(groups)
             metrics.update(self._pipeline_metrics())
+            metrics["timing/elapsed_s"] = time.perf_counter() - self.started
+            self.log.add(version, metrics, ready=not measurements)
+            rewinds = self.rewinds
             self.lock.notify_all()
+        if measurements:
+            threading.Thread(
+                target=self._evaluate_in_background,
+                args=(Snapshot(version, weights[0]), measurements, rewinds),
+                name=f"evaluate-{version}",
+                daemon=True,
+            ).start()
+
+    def _measurements_due(self, version: int) -> list[Measurement]:
         train = self.cfg.train
         if version == train.steps:
-            metrics.update(self.final_evaluation("after"))
-        elif train.eval_every and version % train.eval_every == 0:
-            metrics["eval/greedy_em"] = self.evaluate(train.eval_questions, temperature=0.0)
-        metrics["timing/elapsed_s"] = time.perf_counter() - self.started
+            return self._final()
+        if train.eval_every and version % train.eval_every == 0:
+            return [Measurement("eval/greedy_em", train.eval_questions, temperature=0.0)]
+        return []
+
+    def _final(self) -> list[Measurement]:
+        """The before / after evaluation: sampled at the training temperature, and greedy."""
+        n = self.cfg.train.final_eval_questions
+        return [
+            Measurement("eval/sampled_em", n, self.cfg.sampling.temperature),
+            Measurement("eval/greedy_em", n, temperature=0.0),
+        ]
+
+    def _evaluate_in_background(
+        self, snapshot: Snapshot, measurements: list[Measurement], rewinds: int
+    ) -> None:
+        """Measure ``snapshot`` and complete its held record (dropped if the job was rewound
+        or stopped meanwhile); a failed evaluation stops the run."""
+        started = time.perf_counter()
+        try:
+            measured = self.evaluator.measure(snapshot, measurements)
+        except Exception as err:
+            self.abort(str(err))
+            return
         with self.lock:
-            self.log.write(version, metrics)
+            if self.stopped or self.rewinds != rewinds:
+                return
+            if snapshot.version == self.cfg.train.steps:
+                self._remember("after", measured)
+            self.log.complete(
+                snapshot.version, {**measured, "timing/eval_s": time.perf_counter() - started}
+            )
             self.lock.notify_all()
+
+    def _remember(self, when: str, measured: dict[str, float]) -> None:
+        """Keep the before / after evaluation for the summary (``evaluations.json``)."""
+        self.evals.update({f"{when}/{m.key}": measured[m.key] for m in self._final()})
+        self.evals_file.write_text(json.dumps(self.evals, indent=2))
+
+    def evaluations_pending(self) -> bool:
+        """Whether a step's record still waits for its evaluation."""
+        with self.lock:
+            return bool(self.log.pending)
 
     def _pipeline_metrics(self) -> dict[str, float]:
         """Queue length, rollout idle share since the last version, the workers' KV caches."""
@@ -359,6 +443,7 @@ class Controller:
         with self.lock:
             self.paused = True
             self.lock.wait_for(lambda: self.parked or not self.running or self.stopped)
+            self.rewinds += 1
             self.in_flight.clear()
             self.backlog.clear()
             self.queue.drain()
@@ -370,33 +455,6 @@ class Controller:
         with self.lock:
             self.policy_ready, self.paused = True, False
             self.lock.notify_all()
-
-    def _sync_all(self) -> None:
-        """Every worker on the newest policy (waits for their current leases)."""
-        with self.lock:
-            refs = [
-                self.pool.sync(w, self.version, self.weights)
-                for w in self.pool.active()
-                if self.weights is not None and self.pool.workers[w].version != self.version
-            ]
-        ray.get(refs)
-
-    def evaluate(self, questions: int, temperature: float) -> float:
-        """Held-out success rate (one chain per question), sharded over the workers."""
-        with self._workers_kept():
-            self._sync_all()
-            with self.lock:
-                handles = [self.pool.workers[w].handle for w in self.pool.active()]
-            samples = self.heldout[:questions]
-            shards = [samples[i :: len(handles)] for i in range(len(handles))]
-            seed = eval_seed(self.cfg.train.seed)
-            results = ray.get(
-                [
-                    h.evaluate.remote(s, temperature, seed)
-                    for h, s in zip(handles, shards, strict=True)
-                ]
-            )
-        return statistics.fmean(x for shard in results for x in shard)
 
     @contextlib.contextmanager
     def _workers_kept(self) -> Iterator[None]:
@@ -412,33 +470,30 @@ class Controller:
                 for worker_id in list(self.pool.workers):
                     self._retire_if_asked(worker_id)
 
-    def final_evaluation(self, when: str) -> dict[str, float]:
-        """Sampled (at the training temperature) and greedy held-out EM, remembered by ``when``."""
-        n = self.cfg.train.final_eval_questions
-        result = {
-            "eval/sampled_em": self.evaluate(n, self.cfg.sampling.temperature),
-            "eval/greedy_em": self.evaluate(n, temperature=0.0),
-        }
-        self.evals.update({f"{when}/{k}": v for k, v in result.items()})
-        self.evals_file.write_text(json.dumps(self.evals, indent=2))
-        return result
-
     # --- scaling ------------------------------------------------------------------------------
 
     def scale(self, rollout_workers: int) -> dict[str, Any]:
         """Grow or shrink the rollout pool to ``rollout_workers`` without touching the learners.
 
-        New workers load the newest policy before they take a lease; a removed worker finishes
-        the lease it holds (its batch is enqueued) and is then stopped. Returns when done."""
+        New workers load the newest policy and take a lease once they answer; the lock is not
+        held while their placement groups are reserved, so leases and publishing go on. A
+        removed worker finishes the lease it holds (its batch is enqueued) and is then stopped.
+        Returns when done."""
         if rollout_workers < 1:
             raise ValueError(f"rollout_workers must be at least 1, got {rollout_workers}")
         with self.lock:
             active = self.pool.active()
             added = [
-                self.pool.add(self.version, self.weights)
+                self.pool.add(self.version, self.weights, probe=True)
                 for _ in range(rollout_workers - len(active))
             ]
-            self.pool.wait_placed(added, timeout=PLACEMENT_TIMEOUT_S)
+            groups = [self.pool.workers[w].group for w in added]
+        unplaced = wait_for_placement(groups, PLACEMENT_TIMEOUT_S)
+        with self.lock:
+            if unplaced:
+                for worker_id in added:
+                    self.pool.remove(worker_id)
+                raise self.pool.placement_error(unplaced, PLACEMENT_TIMEOUT_S)
             leaving = active[rollout_workers:]
             for worker_id in leaving:
                 self.pool.workers[worker_id].retiring = True

@@ -2,8 +2,9 @@
 
 A worker is created with ``max_restarts`` (a killed worker comes back as a fresh instance, on the
 initial policy) and ``max_task_retries=0`` (the lease it was running fails instead of being
-replayed on an instance with the wrong policy): the controller re-issues the lease and calls
-``needs_sync`` so the restarted instance gets the current policy before its next lease.
+replayed on an instance with the wrong policy): the controller re-issues the lease, and the
+restarted instance, once a probe call answers, gets the current policy before its next lease
+(``lost_lease``, ``check_probes``).
 Workers are added and retired one by one (``treegrpo scale``); each worker's placement group
 reserves ``cluster.rollout_cpus`` and ``cluster.rollout_resources`` on one node.
 """
@@ -55,6 +56,14 @@ def _actor_options(cfg: RunConfig) -> tuple[dict[str, Any], PlacementGroup | Non
     return {**options, **restarts}, group
 
 
+def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> int:
+    """Wait up to ``timeout`` s for the placement groups to be reserved; returns how many were
+    not (None stands for a worker without a group of its own)."""
+    ready = [g.ready() for g in groups if g is not None]
+    _, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout)
+    return len(pending)
+
+
 class RolloutPool:
     """The job's rollout workers by id (ids grow; a retired id is never reused)."""
 
@@ -66,8 +75,10 @@ class RolloutPool:
         self.next_id = 0
         self.restarts = 0
 
-    def add(self, version: int, weights: ray.ObjectRef | None) -> int:
-        """Start one worker; when ``weights`` is given it loads policy ``version`` first."""
+    def add(self, version: int, weights: ray.ObjectRef | None, probe: bool = False) -> int:
+        """Start one worker; when ``weights`` is given it loads policy ``version`` first.
+        ``probe``: it is not usable until it answers a probe (a worker added while the job
+        runs, whose placement group may take a while)."""
         worker_id, self.next_id = self.next_id, self.next_id + 1
         options, group = _actor_options(self.cfg)
         handle = (
@@ -87,22 +98,15 @@ class RolloutPool:
         self.workers[worker_id] = PoolWorker(handle, 0, group)
         if weights is not None:
             self.sync(worker_id, version, weights)
+        if probe:
+            self.workers[worker_id].probe = handle.policy_version.remote()
         return worker_id
 
-    def wait_placed(self, worker_ids: list[int], timeout: float) -> None:
-        """Wait until the workers' placement groups are reserved; if one cannot be within
-        ``timeout`` s, remove those workers and raise a ``ValueError`` naming what they need."""
-        groups = [self.workers[w].group for w in worker_ids if self.workers[w].group is not None]
-        ready, pending = ray.wait(
-            [g.ready() for g in groups], num_returns=len(groups), timeout=timeout
-        )
-        if not pending:
-            return
-        for worker_id in worker_ids:
-            self.remove(worker_id)
+    def placement_error(self, unplaced: int, timeout: float) -> ValueError:
+        """The error for ``unplaced`` workers whose placement group was not reserved in time."""
         need = {"CPU": self.cfg.cluster.rollout_cpus, **self.cfg.cluster.rollout_resources}
-        raise ValueError(
-            f"{len(pending)} new rollout worker(s) could not be placed in {timeout:g} s: each "
+        return ValueError(
+            f"{unplaced} new rollout worker(s) could not be placed in {timeout:g} s: each "
             f"needs {need} and the cluster has {ray.available_resources()} free; add nodes or "
             "lower cluster.rollout_cpus"
         )

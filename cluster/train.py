@@ -126,7 +126,11 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
         failure = ray.get(controller.failure_reason.remote())
         if failure:
             raise TrainingStopped(failure)
-        if not fit_thread.is_alive() and not records:
+        if (
+            not fit_thread.is_alive()
+            and not records
+            and not ray.get(controller.evaluations_pending.remote())
+        ):
             break
     bar.close()
 

@@ -451,8 +451,8 @@ def train_loop_per_worker(config: dict) -> None:
     if first and (latest is not None or restarted):
         weights = ray.put(learner.policy_state())
         ray.get(controller.restore.remote(learner.version, [weights]))
+    cycle_start, publish_s = time.perf_counter(), 0.0
     while learner.version < cfg.train.steps:
-        started = time.perf_counter()
         batch = None
         if first:
             batch = pull_batch(
@@ -467,10 +467,16 @@ def train_loop_per_worker(config: dict) -> None:
                     ray.get(controller.abort.remote(_save_last_good(learner, cfg, err)))
                 return
         if first:
-            metrics["learner/idle_frac"] = metrics["queue/wait_s"] / (time.perf_counter() - started)
+            # idle: waiting for trees, and for the previous version's publish call (this cycle
+            # runs from that call's start to this one's)
+            metrics["timing/publish_wait_s"] = publish_s
+            idle = metrics["queue/wait_s"] + publish_s
+            metrics["learner/idle_frac"] = idle / (time.perf_counter() - cycle_start)
+            cycle_start = time.perf_counter()
             weights = ray.put(learner.policy_state())
             groups = sorted({t.group_id for t in trees})
             ray.get(controller.publish.remote(learner.version, [weights], metrics, groups))
+            publish_s = time.perf_counter() - cycle_start
             every = cfg.train.checkpoint_every
             if every and learner.version % every == 0:
                 save_checkpoint(learner, cfg.run_dir / "checkpoints", {"step": learner.version})
