@@ -1,4 +1,4 @@
-.PHONY: install train test lint bench-rollout
+.PHONY: install train test lint
 
 install:
 	pip install torch==2.13.0 -e '.[dev]'

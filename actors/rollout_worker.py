@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
 
-from actors.engines.hf_engine import HFEngine
-from actors.retriever import Retriever
+from treegrpo_ray.actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.retriever import Retriever
+from treegrpo_ray.actors.schedule import Lease, LeaseReceipt
 from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import EngineConfig, SamplingConfig, TaskConfig, TreeConfig
 from treegrpo_ray.engine import (
@@ -27,28 +27,11 @@ from treegrpo_ray.engine import (
 )
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
-from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv, SearchQATask
+from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv
 from treegrpo_ray.modeling import load_policy, load_tokenizer
-from treegrpo_ray.search import Expansion, TreePlanner
+from treegrpo_ray.planner import Expansion, TreePlanner
 from treegrpo_ray.stops import StopStrings
-from treegrpo_ray.tree import AgentStep, Tree, arrow_metadata, trees_to_arrow
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Prompt groups handed to one worker: ``groups`` pairs a run-unique group id with its sample;
-    ``seed`` fixes the tree search and sampling of this lease."""
-
-    lease_id: int
-    groups: tuple[tuple[int, Sample], ...]
-    seed: int
-
-
-def load_task(task: TaskConfig) -> MultihopTask | SearchQATask:
-    """The questions of the task named by the config (``train_samples()``, ``heldout_samples()``)."""
-    if task.name == "search_qa":
-        return SearchQATask(task.search_qa)
-    return MultihopTask(task.multihop)
+from treegrpo_ray.tree import AgentStep, BatchInfo, Tree, batch_info, trees_to_arrow
 
 
 def make_env(task: TaskConfig, search: SearchFn | None = None) -> AgentEnv:
@@ -67,7 +50,7 @@ def make_env(task: TaskConfig, search: SearchFn | None = None) -> AgentEnv:
 def make_engine(model_path: str, engine: EngineConfig, seed: int) -> Engine:
     """The rollout engine named by the config, loaded from the policy directory."""
     if engine.kind == "vllm":
-        from actors.engines.vllm_engine import VLLMEngine
+        from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, engine.vllm, seed=seed, prefix_cache=engine.prefix_cache)
     model, tokenizer = load_policy(model_path)
@@ -121,26 +104,17 @@ class RolloutWorker:
                 trees, planner.next_round(trees), self.sampling.temperature, rng, budgets
             )
         planner.prune(trees)
-        metadata = {
-            "lease_id": lease.lease_id,
-            "policy_version": self.engine.version,
-            "budgets": {str(g): b.to_dict() for g, b in budgets.items()},
-            "rollout_seconds": time.perf_counter() - start,
-        }
-        return trees_to_arrow(trees, metadata)
+        seconds = time.perf_counter() - start
+        return trees_to_arrow(
+            trees, BatchInfo(lease.lease_id, self.engine.version, budgets, seconds)
+        )
 
-    def expand_leased(self, lease: Lease) -> tuple[dict, pa.Table]:
-        """``expand`` plus a receipt the controller reads without fetching the trees: lease id,
-        group ids, policy version, rollout seconds and the engine's cache counters."""
+    def expand_leased(self, lease: Lease) -> tuple[LeaseReceipt, pa.Table]:
+        """``expand`` plus a receipt the controller reads without fetching the trees."""
         table = self.expand(lease)
-        meta = arrow_metadata(table)
-        receipt = {
-            "lease_id": lease.lease_id,
-            "groups": [group_id for group_id, _ in lease.groups],
-            "policy_version": meta["policy_version"],
-            "rollout_seconds": meta["rollout_seconds"],
-            "cache": self.cache_stats(),
-        }
+        info = batch_info(table)
+        groups = tuple(group_id for group_id, _ in lease.groups)
+        receipt = LeaseReceipt(info, groups, self.cache_stats())
         return receipt, table
 
     def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:

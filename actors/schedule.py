@@ -1,5 +1,5 @@
-"""A run's schedule: which prompt groups each step uses, how they are cut into leases, and the
-seed of the held-out evaluations.
+"""A run's schedule: the task's questions, which prompt groups each step uses, how they are cut
+into leases (and what a worker hands back for one), and the seed of the held-out evaluations.
 
 Pure functions of (step, run seed): the controller of a Ray job and the in-process loop
 (``cluster/local_run.py``) issue the same leases and evaluations, so both train on the same groups
@@ -9,9 +9,40 @@ with the same tree-search seeds.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
-from actors.rollout_worker import Lease
-from treegrpo_ray.envs.base import Sample
+from treegrpo_ray.config import TaskConfig
+from treegrpo_ray.envs.base import Sample, Task
+from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.envs.search_qa import SearchQATask
+from treegrpo_ray.tree import BatchInfo
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Prompt groups handed to one worker: ``groups`` pairs a run-unique group id with its sample;
+    ``seed`` fixes the tree search and sampling of this lease."""
+
+    lease_id: int
+    groups: tuple[tuple[int, Sample], ...]
+    seed: int
+
+
+@dataclass(frozen=True)
+class LeaseReceipt:
+    """What the controller reads of a finished lease without fetching its trees: the batch's
+    info, the lease's group ids and the worker engine's cache counters (``Engine.cache_stats``)."""
+
+    info: BatchInfo
+    groups: tuple[int, ...]
+    cache: dict[str, float]
+
+
+def load_task(task: TaskConfig) -> Task:
+    """The questions of the task named by the config."""
+    if task.name == "search_qa":
+        return SearchQATask(task.search_qa)
+    return MultihopTask(task.multihop)
 
 
 def eval_seed(run_seed: int) -> int:

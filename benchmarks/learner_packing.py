@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.advantage import tree_grpo_advantages
+from treegrpo_ray.learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 from treegrpo_ray.packing import PackedBatch, PathBatch, expand_paths, pack_trees
-from treegrpo_ray.search import TreePlanner, TreeShape
+from treegrpo_ray.planner import TreePlanner, TreeShape
 from treegrpo_ray.tree import ROOT, Tree
 
 VOCAB = 256

@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cluster.train import train
+from treegrpo_ray.cluster.train import train
 from treegrpo_ray.config import load_config
 
 ARMS = {

@@ -33,15 +33,16 @@ from pathlib import Path
 
 import torch
 
-from actors.engines.hf_engine import HFEngine
-from actors.rollout_worker import Lease, RolloutWorker
-from learners.warmstart import warm_start
-from treegrpo_ray.config import EngineConfig, RunConfig, TaskConfig, TreeConfig, load_config
+from treegrpo_ray.actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.actors.schedule import Lease
+from treegrpo_ray.config import EngineConfig, JobConfig, TaskConfig, TreeConfig, load_config
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopTask
+from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, load_tokenizer
-from treegrpo_ray.tree import arrow_metadata
+from treegrpo_ray.tree import batch_info
 
 LARGE = TinyModelConfig(
     hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,
@@ -126,7 +127,7 @@ def three_hop_samples(task: MultihopTask, count: int, offset: int) -> list[Sampl
     return samples[offset : offset + count]
 
 
-def tiny_rollouts(cfg: RunConfig, policy: str, args: argparse.Namespace) -> tuple[dict, list]:
+def tiny_rollouts(cfg: JobConfig, policy: str, args: argparse.Namespace) -> tuple[dict, list]:
     """Real tree rollouts of the tiny policy, cache on vs off; returns the per-rep arms and the
     traces recorded with the cache off (the reference request stream)."""
     task_cfg = TaskConfig(multihop=MultihopConfig(distractors=args.distractors))
@@ -157,12 +158,12 @@ def tiny_rollouts(cfg: RunConfig, policy: str, args: argparse.Namespace) -> tupl
             table = worker.expand(lease)
             seconds = time.perf_counter() - start
             worker.engine = recorder.engine
-            budgets = arrow_metadata(table)["budgets"].values()
+            budgets = batch_info(table).budgets.values()
             arms["on" if on else "off"] = _arm(
                 seconds,
-                sum(b["prefill_tokens"] for b in budgets),
-                sum(b["cached_tokens"] for b in budgets),
-                sum(b["generated_tokens"] for b in budgets),
+                sum(b.prefill_tokens for b in budgets),
+                sum(b.cached_tokens for b in budgets),
+                sum(b.generated_tokens for b in budgets),
             )
             if not on:
                 traces.append(recorder.waves)

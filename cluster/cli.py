@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.jobs import JOB_COMMANDS, add_job_commands, run_job_command
+from treegrpo_ray.cluster.jobs import JOB_COMMANDS, add_job_commands, run_job_command
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark suites").add_subparsers(
         dest="suite", required=True
     )
-    from benchmarks.budget_efficiency import add_arguments
+    from treegrpo_ray.cluster.budget_suite import add_arguments
 
     add_arguments(bench.add_parser("budget", help="chain GRPO vs Tree-GRPO at matched cost"))
     add_job_commands(sub)
@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in JOB_COMMANDS:
         return run_job_command(args)
     if args.command == "bench":
-        from benchmarks.budget_efficiency import run_from_args
+        from treegrpo_ray.cluster.budget_suite import run_from_args
 
         return run_from_args(args)
     if args.command == "presets":
@@ -79,11 +79,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.command == "warmstart":
-        from cluster.train import resolve_model_path
+        from treegrpo_ray.cluster.train import resolve_model_path
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0
-    from cluster.train import train
+    from treegrpo_ray.cluster.train import train
 
     summary = train(
         cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None

@@ -36,13 +36,19 @@ from ray.exceptions import RayActorError
 from ray.util.queue import Full
 from torch.utils.tensorboard import SummaryWriter
 
-from actors.rollout_worker import Lease, load_task
-from actors.schedule import eval_seed, step_leases, training_order
-from actors.tree_queue import TreeQueue
-from cluster.evaluation import Evaluator, Measurement, Snapshot
-from cluster.retriever import retriever_actor_name, start_retriever
-from cluster.rollout_pool import RolloutPool, wait_for_placement
-from treegrpo_ray.config import RunConfig
+from treegrpo_ray.actors.schedule import (
+    Lease,
+    LeaseReceipt,
+    eval_seed,
+    load_task,
+    step_leases,
+    training_order,
+)
+from treegrpo_ray.actors.tree_queue import TreeQueue
+from treegrpo_ray.cluster.evaluation import Evaluator, Measurement, Snapshot
+from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
+from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
+from treegrpo_ray.config import JobConfig
 
 NAMESPACE = "treegrpo"
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
@@ -156,15 +162,12 @@ class Controller:
     (None for a new run). The workers start from ``model_path`` and no lease is issued until the
     learner has sent the restored policy (``restore``)."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, resume_from: int | None = None):
+    def __init__(self, cfg: JobConfig, model_path: str, resume_from: int | None = None):
         self.cfg = cfg
         task = load_task(cfg.task)
         self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
         self.order = training_order(len(self.train_samples), cfg.train.seed)
-        self.lease_groups = cfg.cluster.groups_per_lease or (
-            cfg.train.prompts_per_step // cfg.cluster.rollout_workers
-        )
         self.queue = TreeQueue(cfg.cluster.queue_size)
         self.search = None  # the retriever actor's client (search_qa): one index per job
         if cfg.task.name == "search_qa":
@@ -264,7 +267,7 @@ class Controller:
             self.order,
             step,
             train.prompts_per_step,
-            self.lease_groups,
+            self.cfg.lease_size(),
             train.seed,
         )
 
@@ -307,7 +310,7 @@ class Controller:
         for ref in receipts:
             failure: RayActorError | None = None
             try:
-                receipt = ray.get(ref)
+                receipt: LeaseReceipt = ray.get(ref)
             except RayActorError as err:
                 failure = err
             with self.lock:
@@ -318,8 +321,8 @@ class Controller:
                     self.backlog.appendleft(item.lease)
                     self.pool.lost_lease(item.worker_id, failure)
                 else:
-                    self.busy_s += receipt["rollout_seconds"]
-                    self.worker_cache[item.worker_id] = receipt["cache"]
+                    self.busy_s += receipt.info.rollout_seconds
+                    self.worker_cache[item.worker_id] = receipt.cache
                     self._retire_if_asked(item.worker_id)
             if failure is None:
                 self._enqueue(item.trees)
@@ -427,7 +430,7 @@ class Controller:
             "queue/size": float(self.queue.size()),
             "rollout/idle_frac": max(0.0, 1.0 - self.busy_s / capacity),
             "rollout/workers": float(len(self.pool.active())),
-            "rollout/worker_restarts": float(self.pool.restarts),
+            "rollout/worker_failures": float(self.pool.failures),
             "rollout/cache_bytes": sum(c["bytes"] for c in self.worker_cache.values()),
             "rollout/cache_evictions": sum(c["evictions"] for c in self.worker_cache.values()),
         }

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.rollout_pool import RolloutPool
+from treegrpo_ray.cluster.rollout_pool import RolloutPool
 from treegrpo_ray.envs.base import Sample
 
 SHARD_ATTEMPTS = 3  # a shard is sent at most this often (its worker may die each time)

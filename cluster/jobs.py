@@ -219,7 +219,7 @@ def submit(
     root = Path(working_dir or ".").resolve()
     if not root.is_dir():
         raise UserInputError(f"working directory {working_dir} is not a directory")
-    args = ["python", "-m", "cluster.cli", "train", _entrypoint_config(config, root)]
+    args = ["python", "-m", "treegrpo_ray.cluster.cli", "train", _entrypoint_config(config, root)]
     for override in [*overrides, "cluster.address=auto"]:
         args += ["--set", override]
     runtime_env: dict[str, Any] = {"working_dir": str(root), "excludes": EXCLUDES}
@@ -276,7 +276,7 @@ def stop(address: str | None, job: str) -> bool:
 
 def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 600) -> dict:
     """Resize the rollout pool of running job ``job`` (a job id or a run name) to
-    ``rollout_workers``, through a short Ray job running ``cluster.scale`` on the cluster;
+    ``rollout_workers``, through a short Ray job running ``treegrpo_ray.cluster.scale`` on the cluster;
     returns the controller's answer (``Controller.scale``). The learners are not touched."""
     if rollout_workers < 1:
         raise UserInputError(
@@ -288,7 +288,14 @@ def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 
         run = _run_name(client, job)
         # A job submitted moments ago may not have started its controller yet: wait for it.
         wait = CONTROLLER_WAIT_S if _job_is_live(client, run) else 0
-        command = ["python", "-m", "cluster.scale", run, str(rollout_workers), f"{wait:g}"]
+        command = [
+            "python",
+            "-m",
+            "treegrpo_ray.cluster.scale",
+            run,
+            str(rollout_workers),
+            f"{wait:g}",
+        ]
         scaler = client.submit_job(
             entrypoint=shlex.join(command),
             submission_id=f"treegrpo-scale-{secrets.token_hex(3)}",

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from actors.rollout_worker import RolloutWorker, load_task
-from actors.schedule import eval_seed, step_leases, training_order
-from learners.learner import Learner, pull_batch
-from treegrpo_ray.config import RunConfig
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.actors.schedule import eval_seed, load_task, step_leases, training_order
+from treegrpo_ray.config import JobConfig
+from treegrpo_ray.learners.learner import Learner, pull_batch
 from treegrpo_ray.metrics import timed
 
 
@@ -28,7 +28,7 @@ class LocalRun:
     held-out evaluation of the current policy. ``train_seconds`` counts rollout + update time
     only (not evaluations), for wall-time matching."""
 
-    def __init__(self, cfg: RunConfig, model_path: str):
+    def __init__(self, cfg: JobConfig, model_path: str):
         if cfg.train.max_policy_lag:
             raise ValueError("LocalRun is synchronous: set train.max_policy_lag=0")
         torch.set_num_threads(cfg.cluster.torch_threads)
@@ -45,14 +45,7 @@ class LocalRun:
             seed=cfg.train.seed,
             torch_threads=cfg.cluster.torch_threads,
         )
-        self.learner = Learner(
-            model_path,
-            cfg.ppo,
-            temperature=cfg.sampling.temperature,
-            advantage=cfg.ppo.advantage,
-            seed=cfg.train.seed,
-            lora=cfg.model.lora,
-        )
+        self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0
 
     @property
@@ -70,7 +63,7 @@ class LocalRun:
             self.order,
             self.learner.version,
             train.prompts_per_step,
-            self.cfg.cluster.groups_per_lease or train.prompts_per_step,
+            self.cfg.lease_size(),
             train.seed,
         ):
             batches.put(self.worker.expand(lease))

@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from actors.retriever import Retriever, retriever_kwargs
+from treegrpo_ray.actors.retriever import Retriever, retriever_kwargs
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.qa_data import Passage
 

@@ -19,9 +19,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.rollout_worker import RolloutWorker
-from cluster.engines import vllm_actor_options
-from treegrpo_ray.config import RunConfig
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.cluster.engines import vllm_actor_options
+from treegrpo_ray.config import JobConfig
 
 
 @dataclass
@@ -35,7 +35,7 @@ class PoolWorker:
     probe: ray.ObjectRef | None = None  # set while Ray restarts the worker
 
 
-def _actor_options(cfg: RunConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
+def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
     """Actor options of one rollout worker and the placement group they schedule into."""
     restarts = {"max_restarts": cfg.cluster.rollout_max_restarts, "max_task_retries": 0}
     if cfg.engine.kind == "vllm":
@@ -67,13 +67,13 @@ def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> i
 class RolloutPool:
     """The job's rollout workers by id (ids grow; a retired id is never reused)."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, search: Any = None):
+    def __init__(self, cfg: JobConfig, model_path: str, search: Any = None):
         self.cfg = cfg
         self.model_path = model_path
         self.search = search  # passed to every worker's environment (search_qa's retriever)
         self.workers: dict[int, PoolWorker] = {}
         self.next_id = 0
-        self.restarts = 0
+        self.failures = 0  # worker deaths: restarted by Ray, or gone for good
 
     def add(self, version: int, weights: ray.ObjectRef | None, probe: bool = False) -> int:
         """Start one worker; when ``weights`` is given it loads policy ``version`` first.
@@ -122,7 +122,7 @@ class RolloutPool:
         fresh instance on the initial policy): it takes no lease until a probe answers, and is
         synced first. ``ActorDiedError``: it is gone for good (restarts used up); it leaves the
         pool. Raises when no worker is left."""
-        self.restarts += 1
+        self.failures += 1
         if isinstance(error, ActorUnavailableError):
             worker = self.workers[worker_id]
             worker.version = -1

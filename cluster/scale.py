@@ -1,4 +1,4 @@
-"""``python -m cluster.scale RUN K [WAIT_S]``: resize run RUN's rollout pool to K workers.
+"""``python -m treegrpo_ray.cluster.scale RUN K [WAIT_S]``: resize run RUN's rollout pool to K workers.
 
 ``treegrpo scale`` submits this as a short Ray job, so it reaches the cluster through the same
 dashboard address and token as ``submit``; here, on the cluster, it finds the run's controller
@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from cluster.controller import NAMESPACE, controller_name
+from treegrpo_ray.cluster.controller import NAMESPACE, controller_name
 
 POLL_S = 0.5  # Ray has no way to wait for a named actor to appear
 

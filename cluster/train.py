@@ -19,22 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, ScalingConfig
-from ray.train import RunConfig as RayRunConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
-from cluster.controller import NAMESPACE, Controller, controller_name
-from learners.checkpoint import latest_checkpoint
-from learners.learner import train_loop_per_worker
-from learners.warmstart import warm_start
-from treegrpo_ray.config import RunConfig, save_run_config
+from treegrpo_ray.cluster.controller import NAMESPACE, Controller, controller_name
+from treegrpo_ray.config import JobConfig, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
+from treegrpo_ray.learners.checkpoint import latest_checkpoint
+from treegrpo_ray.learners.learner import train_loop_per_worker
+from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import check_policy_dir
 
 
-def resolve_model_path(cfg: RunConfig, progress: bool = True) -> str:
+def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
     """The policy directory: ``model.path`` (checked) or the cached warm-started tiny model."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser()
@@ -44,7 +43,7 @@ def resolve_model_path(cfg: RunConfig, progress: bool = True) -> str:
     return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
 
 
-def _connect(cfg: RunConfig) -> bool:
+def _connect(cfg: JobConfig) -> bool:
     """Join ``cluster.address`` (or ``RAY_ADDRESS``, set for a Ray Jobs entrypoint) or start a
     local Ray sized for the config; True when this call started Ray."""
     if ray.is_initialized():
@@ -67,7 +66,7 @@ def _connect(cfg: RunConfig) -> bool:
     return True
 
 
-def required_resources(cfg: RunConfig) -> dict[str, float]:
+def required_resources(cfg: JobConfig) -> dict[str, float]:
     """Ray resources the job reserves: rollout pool plus learner group (vLLM GPUs included)."""
     cluster = cfg.cluster
     need: dict[str, float] = collections.Counter()
@@ -88,7 +87,7 @@ def required_resources(cfg: RunConfig) -> dict[str, float]:
     return {key: amount for key, amount in need.items() if amount or key == "CPU"}
 
 
-def check_resources(cfg: RunConfig) -> None:
+def check_resources(cfg: JobConfig) -> None:
     """Refuse a config that asks for more of a resource than the whole cluster has."""
     have = ray.cluster_resources()
     for key, amount in required_resources(cfg).items():
@@ -135,7 +134,7 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
     bar.close()
 
 
-def summary_line(cfg: RunConfig, summary: dict[str, Any], seconds: float) -> str:
+def summary_line(cfg: JobConfig, summary: dict[str, Any], seconds: float) -> str:
     """One line: held-out EM before -> after (sampled at the training temperature, greedy), wall
     time, tokens generated, tool calls, share of rollout prefix tokens served by the KV cache."""
 
@@ -169,7 +168,7 @@ def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(run_dir)
 
 
-def resume_step(cfg: RunConfig) -> int:
+def resume_step(cfg: JobConfig) -> int:
     """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
     latest = latest_checkpoint(cfg.run_dir / "checkpoints")
     if latest is None:
@@ -186,7 +185,7 @@ def resume_step(cfg: RunConfig) -> int:
     return step
 
 
-def _learner_scaling(cfg: RunConfig) -> ScalingConfig:
+def _learner_scaling(cfg: JobConfig) -> ScalingConfig:
     """The learner group: ``learner_workers`` ranks, each with its CPUs, GPUs and resources."""
     cluster = cfg.cluster
     resources = {"CPU": cluster.learner_cpus, **cluster.learner_resources}
@@ -200,7 +199,7 @@ def _learner_scaling(cfg: RunConfig) -> ScalingConfig:
 
 
 def train(
-    cfg: RunConfig,
+    cfg: JobConfig,
     progress: bool = True,
     overwrite: bool = False,
     resume: bool = False,
@@ -240,7 +239,7 @@ def train(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
             scaling_config=_learner_scaling(cfg),
-            run_config=RayRunConfig(
+            run_config=RunConfig(
                 name=cfg.name,
                 storage_path=str((cfg.run_dir / "ray_train").resolve()),
                 failure_config=FailureConfig(max_failures=cfg.cluster.learner_max_failures),

@@ -19,8 +19,18 @@ from typing import Any
 
 import torch
 
-from learners.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from learners.distributed import (
+from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
+from treegrpo_ray.budget import Budget
+from treegrpo_ray.config import JobConfig, LoraSettings, PPOConfig
+from treegrpo_ray.engine import LoraPayload
+from treegrpo_ray.errors import TrainingStopped, UserInputError
+from treegrpo_ray.learners.checkpoint import (
+    LearnerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from treegrpo_ray.learners.distributed import (
     all_agree,
     broadcast_from_first,
     deal_rows,
@@ -28,16 +38,11 @@ from learners.distributed import (
     sum_stats,
     world,
 )
-from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
-from treegrpo_ray.budget import Budget
-from treegrpo_ray.config import LoraSettings, PPOConfig
-from treegrpo_ray.engine import LoraPayload
-from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_weights
 from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.packing import PackedBatch, pack_trees
-from treegrpo_ray.tree import Tree, arrow_metadata, trees_from_arrow
+from treegrpo_ray.tree import Tree, batch_info, trees_from_arrow
 
 
 def token_logprobs(
@@ -133,7 +138,8 @@ class Learner:
     """Routed PPO on tree-packed batches with a frozen reference copy of the initial policy.
 
     temperature: the rollout temperature (log-probs are computed under the same distribution).
-    advantage: ``tree`` (intra + inter, paper) or ``chain`` (prompt-level GRPO over all leaves).
+    ``ppo.advantage``: ``tree`` (intra + inter, paper) or ``chain`` (prompt-level GRPO over all
+    leaves).
     Each optimizer step takes one minibatch of whole trees, packed into rows of at most
     ``ppo.micro_batch_tokens`` tokens; every row is one forward and backward, its loss divided by
     the minibatch's token count, so the accumulated gradient is the full-minibatch one. Trees are
@@ -146,7 +152,6 @@ class Learner:
         model_path: str,
         ppo: PPOConfig,
         temperature: float,
-        advantage: str = "tree",
         seed: int = 0,
         lora: LoraSettings | None = None,
     ):
@@ -163,7 +168,6 @@ class Learner:
         self.optimizer = torch.optim.Adam(trainable, lr=ppo.lr)
         self.ppo = ppo
         self.temperature = temperature
-        self.advantage = advantage
         self.modifiers = ppo.modifiers.node_modifiers(ppo.kl_coef, ppo.entropy_coef)
         self.reward_norm = ppo.modifiers.reward_normalizer()  # running state, in checkpoints
         self.rng = random.Random(seed)
@@ -172,11 +176,68 @@ class Learner:
         self.skipped_updates = 0
         self.skipped_in_a_row = 0
 
+    @classmethod
+    def from_config(cls, cfg: JobConfig, model_path: str) -> Learner:
+        """The learner of a job (the Ray Train loop and the in-process loop build it alike)."""
+        return cls(
+            model_path,
+            cfg.ppo,
+            temperature=cfg.sampling.temperature,
+            seed=cfg.train.seed,
+            lora=cfg.model.lora,
+        )
+
+    def state_dict(self) -> LearnerState:
+        """What a checkpoint keeps: the trainable weights, optimizer, RNG states, counters."""
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            weights = get_peft_model_state_dict(self.model)
+        else:
+            weights = self.model.state_dict()
+        counters = {
+            "policy_version": self.version,
+            "skipped_updates": self.skipped_updates,
+            "skipped_in_a_row": self.skipped_in_a_row,
+            "python_rng": self.rng.getstate(),
+            "reward_norm": None if self.reward_norm is None else self.reward_norm.state_dict(),
+        }
+        return LearnerState(
+            weights=weights,
+            adapter=self.lora,
+            optimizer=self.optimizer.state_dict(),
+            torch_rng=torch.get_rng_state(),
+            counters=counters,
+        )
+
+    def load_state_dict(self, state: LearnerState) -> None:
+        """Continue exactly where the learner that wrote ``state`` stood."""
+        if state.adapter != self.lora:
+            raise UserInputError(
+                f"the checkpoint holds {'a LoRA adapter' if state.adapter else 'full weights'} "
+                f"but model.lora.enabled is {self.lora}; resume with the run's own config"
+            )
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, state.weights)
+        else:
+            self.model.load_state_dict(state.weights)
+        self.optimizer.load_state_dict(state.optimizer)
+        torch.set_rng_state(state.torch_rng)
+        counters = state.counters
+        self.rng.setstate(counters["python_rng"])
+        self.version = counters["policy_version"]
+        self.skipped_updates = counters["skipped_updates"]
+        self.skipped_in_a_row = counters["skipped_in_a_row"]
+        if self.reward_norm is not None:
+            self.reward_norm.load_state_dict(counters["reward_norm"])
+
     def advantages(
         self, rewards: torch.Tensor, tree_ids: torch.Tensor, group_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Per-leaf advantages (L,) by the configured estimator; inputs (L,)."""
-        if self.advantage == "chain":
+        """Per-leaf advantages (L,) by ``ppo.advantage``; inputs (L,)."""
+        if self.ppo.advantage == "chain":
             return chain_grpo_advantages(rewards, group_ids)
         return tree_grpo_advantages(rewards, tree_ids, group_ids)
 
@@ -382,23 +443,23 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
     trees: list[Tree] = []
     groups: set[int] = set()
     budget = Budget()
-    metrics = {"queue/wait_s": 0.0, "tree/dropped_stale": 0.0, "rollout/seconds": 0.0}
+    metrics = {"queue/wait_s": 0.0, "tree/dropped_stale_groups": 0.0, "rollout/seconds": 0.0}
     staleness = 0
     while len(groups) < groups_needed:
         start = time.perf_counter()
         table = queue.get()
         metrics["queue/wait_s"] += time.perf_counter() - start
-        meta = arrow_metadata(table)
-        if meta["policy_version"] < version - max_lag:
-            metrics["tree/dropped_stale"] += len(meta["budgets"])
+        info = batch_info(table)
+        if info.policy_version < version - max_lag:
+            metrics["tree/dropped_stale_groups"] += len(info.budgets)
             continue
         batch = trees_from_arrow(table)
         trees += batch
-        staleness += (version - meta["policy_version"]) * len(batch)
+        staleness += (version - info.policy_version) * len(batch)
         groups.update(t.group_id for t in batch)
-        for counts in meta["budgets"].values():
-            budget.add(Budget(**counts))
-        metrics["rollout/seconds"] += meta["rollout_seconds"]
+        for group_budget in info.budgets.values():
+            budget.add(group_budget)
+        metrics["rollout/seconds"] += info.rollout_seconds
     metrics["tree/staleness"] = staleness / max(len(trees), 1)
     metrics.update(budget_metrics(budget, len(groups)))
     metrics.update(prefix_cache_metrics(budget))
@@ -411,7 +472,7 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
 def _save_last_good(learner: Learner, cfg: Any, err: Exception) -> str:
     """Save the policy and the training state the run stopped with; returns the stop reason."""
     kept = learner.save(cfg.run_dir / "checkpoint-last-good", {"step": learner.version})
-    save_checkpoint(learner, cfg.run_dir / "checkpoints", {"step": learner.version})
+    save_checkpoint(learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version})
     return (
         f"{err}; the last good policy is in {kept}; once fixed, continue with "
         f"`treegrpo train --resume {cfg.run_dir} --set KEY=VALUE`"
@@ -422,7 +483,7 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train worker: pull trees, update, publish each new version through the controller.
 
     With several workers, rank 0 pulls each batch and broadcasts it; every rank updates on its
-    share of the rows (``learners.distributed``); rank 0 publishes and saves. When the run
+    share of the rows (``treegrpo_ray.learners.distributed``); rank 0 publishes and saves. When the run
     directory holds a training-state checkpoint (a resumed run, or Ray Train restarting the group
     after a worker died), every rank restores it and rank 0 hands the restored policy to the
     controller, which rewinds the job to that step, before the first pull.
@@ -434,20 +495,13 @@ def train_loop_per_worker(config: dict) -> None:
     controller = config["controller"]
     torch.set_num_threads(cfg.cluster.torch_threads)
     queue = ray.get(controller.get_queue.remote())
-    learner = Learner(
-        config["model_path"],
-        cfg.ppo,
-        temperature=cfg.sampling.temperature,
-        advantage=cfg.ppo.advantage,
-        seed=cfg.train.seed,
-        lora=cfg.model.lora,
-    )
+    learner = Learner.from_config(cfg, config["model_path"])
     first = learner.rank == 0
     here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
     restarted = ray.get(controller.register_learner.remote(learner.rank, here))
     latest = latest_checkpoint(cfg.run_dir / "checkpoints")
     if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint
-        load_checkpoint(learner, latest)
+        learner.load_state_dict(load_checkpoint(latest))
     if first and (latest is not None or restarted):
         weights = ray.put(learner.policy_state())
         ray.get(controller.restore.remote(learner.version, [weights]))
@@ -479,7 +533,9 @@ def train_loop_per_worker(config: dict) -> None:
             publish_s = time.perf_counter() - cycle_start
             every = cfg.train.checkpoint_every
             if every and learner.version % every == 0:
-                save_checkpoint(learner, cfg.run_dir / "checkpoints", {"step": learner.version})
+                save_checkpoint(
+                    learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version}
+                )
     report: dict[str, object] = {"policy_version": learner.version}
     if first:
         final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treegrpo_ray.config import RunConfig, load_config
+from treegrpo_ray.config import JobConfig, load_config
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150
@@ -20,20 +20,20 @@ def make_cfg(tmp_path_factory):
         f"train.output_dir={root / 'runs'}",
     ]
 
-    def make(*overrides: str) -> RunConfig:
+    def make(*overrides: str) -> JobConfig:
         return load_config("tiny-multihop", base + list(overrides))
 
     return make
 
 
 @pytest.fixture(scope="session")
-def tiny_cfg(make_cfg) -> RunConfig:
+def tiny_cfg(make_cfg) -> JobConfig:
     return make_cfg()
 
 
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_cfg) -> str:
     """Path of the tiny model warm-started for the tests."""
-    from cluster.train import resolve_model_path
+    from treegrpo_ray.cluster.train import resolve_model_path
 
     return resolve_model_path(tiny_cfg, progress=False)

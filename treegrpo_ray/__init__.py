@@ -1,0 +1,15 @@
+"""treegrpo-ray: Tree-GRPO for LLM agents on Ray.
+
+The pure algorithm lives in this folder. The rollout side, the learners and the orchestration sit
+beside it in a checkout (``actors/``, ``learners/``, ``cluster/``) and are installed as this
+package's subpackages ``treegrpo_ray.actors``, ``treegrpo_ray.learners``, ``treegrpo_ray.cluster``
+(pyproject's ``package-dir``), so that no generic top-level name lands in site-packages. Adding
+the checkout's root to ``__path__`` gives them the same names when the code runs from a checkout
+(a Ray Jobs working directory, ``PYTHONPATH=.``); an installed copy already holds them.
+"""
+
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+if not (_HERE / "actors").is_dir() and (_HERE.parent / "actors" / "__init__.py").is_file():
+    __path__.append(str(_HERE.parent))

@@ -37,11 +37,3 @@ class Budget:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-def total(budgets: dict[int, Budget]) -> Budget:
-    """Sum of per-group budgets."""
-    out = Budget()
-    for budget in budgets.values():
-        out.add(budget)
-    return out

@@ -1,7 +1,10 @@
-"""Typed run configuration, loaded from YAML presets or files, with ``a.b=value`` overrides.
+"""Typed job configuration (``JobConfig``): a preset name or a YAML file (which may start with
+``extends: PRESET_OR_PATH`` and list only what it changes), then ``a.b=value`` overrides.
 
 Every field is documented once, here, where it is defined. Validation errors become one-line
-``UserInputError`` messages that name the field, the value seen and the fix.
+``UserInputError`` messages that name the field, the value seen and the fix. A run saves its
+resolved config (``save_run_config``); ``resume_config`` reloads it and accepts only the changes
+in ``RESUMABLE_CHANGES``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients
 from treegrpo_ray.modeling import TinyModelConfig
 from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
-from treegrpo_ray.search import TreeShape
+from treegrpo_ray.planner import TreeShape
 
 
 class _Section(BaseModel):
@@ -288,7 +291,7 @@ class ClusterConfig(_Section):
     )
 
 
-class RunConfig(_Section):
+class JobConfig(_Section):
     name: str = Field("tiny-multihop", description="Run name: outputs go to OUTPUT_DIR/NAME.")
     task: TaskConfig = Field(default_factory=TaskConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -300,8 +303,15 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
+    def lease_size(self) -> int:
+        """Prompt groups per lease: ``cluster.groups_per_lease``, or each step's groups shared
+        equally by the rollout workers the job starts with."""
+        return self.cluster.groups_per_lease or (
+            self.train.prompts_per_step // self.cluster.rollout_workers
+        )
+
     @model_validator(mode="after")
-    def _check_batching(self) -> RunConfig:
+    def _check_batching(self) -> JobConfig:
         lease = self.cluster.groups_per_lease
         if lease is None and self.train.prompts_per_step % self.cluster.rollout_workers:
             raise ValueError(
@@ -320,7 +330,7 @@ class RunConfig(_Section):
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / self.name
 
-    def with_absolute_paths(self) -> RunConfig:
+    def with_absolute_paths(self) -> JobConfig:
         """A copy whose output and cache paths are absolute, so that processes with another
         working directory (Ray Train workers run in their own) write where the user asked."""
 
@@ -396,16 +406,16 @@ def _describe(error: Mapping[str, Any]) -> str:
     return f"{field}: {error['msg']} (got {error.get('input')!r})"
 
 
-def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> JobConfig:
     """Load a preset name or YAML path, apply ``a.b=value`` overrides and validate."""
     return _validate(_read_yaml(name_or_path), overrides, name_or_path)
 
 
-def _validate(data: dict[str, Any], overrides: list[str] | None, source: str) -> RunConfig:
+def _validate(data: dict[str, Any], overrides: list[str] | None, source: str) -> JobConfig:
     for override in overrides or []:
         apply_override(data, override)
     try:
-        return RunConfig.model_validate(data)
+        return JobConfig.model_validate(data)
     except ValidationError as err:
         problems = "; ".join(_describe(e) for e in err.errors())
         raise UserInputError(f"invalid config {source}: {problems}") from err
@@ -428,7 +438,7 @@ RESUMABLE_CHANGES = (
 )
 
 
-def save_run_config(cfg: RunConfig) -> None:
+def save_run_config(cfg: JobConfig) -> None:
     """Write the run's resolved config to ``RUN_DIR/config.yaml`` (what ``--resume`` reads)."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
@@ -437,7 +447,7 @@ def save_run_config(cfg: RunConfig) -> None:
 
 def resume_config(
     run_dir: Path, name_or_path: str | None, overrides: list[str] | None = None
-) -> RunConfig:
+) -> JobConfig:
     """The config of a resumed run: the one saved in ``run_dir`` (or ``name_or_path``, which must
     agree with it) plus ``overrides``, writing to ``run_dir``.
 

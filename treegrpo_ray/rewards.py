@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import string
-from collections import Counter
 from collections.abc import Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -33,21 +32,6 @@ def exact_match(prediction: str, golds: Sequence[str]) -> float:
     """1.0 if the normalised prediction equals any normalised gold answer, else 0.0."""
     pred = normalize_answer(prediction)
     return float(any(pred == normalize_answer(gold) for gold in golds))
-
-
-def f1_score(prediction: str, golds: Sequence[str]) -> float:
-    """Best token-level F1 between the prediction and any gold answer."""
-    pred_tokens = normalize_answer(prediction).split()
-    best = 0.0
-    for gold in golds:
-        gold_tokens = normalize_answer(gold).split()
-        common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
-        if common == 0:
-            continue
-        precision = common / len(pred_tokens)
-        recall = common / len(gold_tokens)
-        best = max(best, 2 * precision * recall / (precision + recall))
-    return best
 
 
 def format_aware_em(prediction: str | None, golds: Sequence[str], format_valid: bool) -> float:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from treegrpo_ray.budget import Budget
+
 ROOT = -1
 
 NODE_SCHEMA = pa.schema(
@@ -36,6 +38,30 @@ NODE_SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
     ]
 )
+TREE_COLUMNS = ("tree_id", "group_id", "prompt_ids")  # the tree's, repeated on its rows
+NODE_COLUMNS = tuple(name for name in NODE_SCHEMA.names if name not in TREE_COLUMNS)  # AgentStep's
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What travels with one tree batch (the Arrow schema's metadata): the lease it answers, the
+    policy version that generated it, the measured cost per prompt group and the rollout's wall
+    time."""
+
+    lease_id: int
+    policy_version: int
+    budgets: dict[int, Budget]
+    rollout_seconds: float
+
+    def to_json(self) -> str:
+        budgets = {str(group): budget.to_dict() for group, budget in self.budgets.items()}
+        return json.dumps({**vars(self), "budgets": budgets})
+
+    @classmethod
+    def from_json(cls, text: str) -> BatchInfo:
+        data = json.loads(text)
+        budgets = {int(group): Budget(**counts) for group, counts in data.pop("budgets").items()}
+        return cls(budgets=budgets, **data)
 
 
 @dataclass
@@ -127,11 +153,9 @@ class Tree:
         self.nodes = kept
 
 
-def trees_to_arrow(trees: list[Tree], metadata: dict[str, Any] | None = None) -> pa.Table:
-    """Serialise trees to one Arrow table, one row per node (DESIGN §3).
-
-    ``metadata`` (JSON-serialisable) travels in the schema metadata under ``treegrpo``.
-    """
+def trees_to_arrow(trees: list[Tree], info: BatchInfo) -> pa.Table:
+    """Serialise trees to one Arrow table, one row per node (DESIGN §3), with ``info`` in the
+    schema metadata under ``treegrpo``."""
     columns: dict[str, list[Any]] = {name: [] for name in NODE_SCHEMA.names}
     for tree in trees:
         if not tree.nodes:
@@ -140,9 +164,9 @@ def trees_to_arrow(trees: list[Tree], metadata: dict[str, Any] | None = None) ->
             columns["tree_id"].append(tree.tree_id)
             columns["group_id"].append(tree.group_id)
             columns["prompt_ids"].append(tree.prompt_ids if node.node_id == 0 else None)
-            for name in NODE_SCHEMA.names[2:-1]:
+            for name in NODE_COLUMNS:
                 columns[name].append(getattr(node, name))
-    schema = NODE_SCHEMA.with_metadata({"treegrpo": json.dumps(metadata or {})})
+    schema = NODE_SCHEMA.with_metadata({"treegrpo": info.to_json()})
     return pa.Table.from_pydict(columns, schema=schema)
 
 
@@ -164,7 +188,11 @@ def trees_from_arrow(table: pa.Table) -> list[Tree]:
     return list(trees.values())
 
 
-def arrow_metadata(table: pa.Table) -> dict[str, Any]:
-    """The ``metadata`` dict given to ``trees_to_arrow``."""
-    raw = (table.schema.metadata or {}).get(b"treegrpo", b"{}")
-    return json.loads(raw)
+def batch_info(table: pa.Table) -> BatchInfo:
+    """The ``BatchInfo`` given to ``trees_to_arrow``."""
+    raw = (table.schema.metadata or {}).get(b"treegrpo")
+    if raw is None:
+        raise ValueError(
+            "this Arrow table carries no tree-batch info; write it with trees_to_arrow"
+        )
+    return BatchInfo.from_json(raw.decode())

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from actors.engines.prefix_cache import Match, PrefixCache
+from treegrpo_ray.actors.engines.prefix_cache import Match, PrefixCache
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
 
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.engines.prefix_cache import CacheStats
+from treegrpo_ray.actors.engines.prefix_cache import CacheStats
 from treegrpo_ray.config import VLLMConfig
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
 from treegrpo_ray.stops import StopStrings

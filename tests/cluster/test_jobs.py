@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
+from treegrpo_ray.cluster.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def _cli_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh process with exactly ``env`` (plus PATH)."""
     env = {"PATH": os.environ["PATH"], **env}
-    command = [sys.executable, "-m", "cluster.cli", *args]
+    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", *args]
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

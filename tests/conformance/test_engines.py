@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.config import VLLMConfig
 from treegrpo_ray.engine import (
     Engine,
@@ -48,7 +48,7 @@ def _hf(device: str) -> Callable[[str, bool], Engine]:
 
 
 def _vllm(path: str, prefix_cache: bool) -> Engine:
-    from actors.engines.vllm_engine import VLLMEngine
+    from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
 
     settings = VLLMConfig(dtype="float32", gpu_memory_utilization=0.3)
     return VLLMEngine(path, settings, seed=0, prefix_cache=prefix_cache, enable_lora=True)

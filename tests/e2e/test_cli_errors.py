@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cluster.cli import main
+from treegrpo_ray.cluster.cli import main
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def _assert_one_line_error(result, *fragments):
 
 def test_unknown_preset_in_a_real_process():
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "train", "no-such-preset"],
+        [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "no-such-preset"],
         capture_output=True,
         text=True,
         timeout=120,

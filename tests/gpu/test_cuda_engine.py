@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.engine import GenerationRequest, SamplingParams
 from treegrpo_ray.modeling import load_policy
 

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from benchmarks.budget_efficiency import QUICK, add_arguments, jobs, run_suite
-from benchmarks.budget_stats import interpolate
+from treegrpo_ray.budget_stats import interpolate
+from treegrpo_ray.cluster.budget_suite import QUICK, add_arguments, jobs, run_suite
 
 ARMS = ("chain-2", "chain-3", "tree-1x2x1")
 

@@ -8,9 +8,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cluster.cli import main
-from cluster.local_run import LocalRun
-from cluster.train import resolve_model_path, resume_step, train
+from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.cluster.local_run import LocalRun
+from treegrpo_ray.cluster.train import resolve_model_path, resume_step, train
 from treegrpo_ray.config import resume_config
 
 pytestmark = pytest.mark.integration
@@ -114,7 +114,7 @@ def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path):
 
 
 def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
-    """``cluster.local_run`` (what the budget suite trains with) takes the job's steps exactly."""
+    """``treegrpo_ray.cluster.local_run`` (what the budget suite trains with) takes the job's steps exactly."""
     cfg, summary = two_step_run(learners=1)
     run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
     assert run.evaluate(cfg.train.final_eval_questions, 1.0) == summary["before/eval/sampled_em"]

@@ -4,9 +4,9 @@ what the in-process retriever returns, and the environment searches through the 
 import pytest
 import ray
 
-from actors.retriever import Retriever
-from actors.rollout_worker import make_env
-from cluster.retriever import RetrieverClient, retriever_actor_name, start_retriever
+from treegrpo_ray.actors.retriever import Retriever
+from treegrpo_ray.actors.rollout_worker import make_env
+from treegrpo_ray.cluster.retriever import RetrieverClient, retriever_actor_name, start_retriever
 from treegrpo_ray.config import TaskConfig
 from treegrpo_ray.envs.qa_fixture import build_fixture
 from treegrpo_ray.envs.search_qa import SearchQAConfig

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from cluster.local_run import LocalRun
-from cluster.train import train
+from treegrpo_ray.cluster.local_run import LocalRun
+from treegrpo_ray.cluster.train import train
 from treegrpo_ray.config import load_config
 from treegrpo_ray.envs.qa_fixture import build_fixture
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer

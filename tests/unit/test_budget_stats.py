@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from benchmarks.budget_stats import (
+from treegrpo_ray.budget_stats import (
     detectable_difference,
     interpolate,
     matched_difference,

@@ -21,8 +21,8 @@ import pytest
 import ray
 import yaml
 
-from cluster.cli import _parser
-from treegrpo_ray.config import RunConfig, load_config
+from treegrpo_ray.cluster.cli import _parser
+from treegrpo_ray.config import JobConfig, load_config
 from treegrpo_ray.errors import UserInputError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ class Pool:
         return int(min(fits)) if fits else 0
 
 
-def _pools(cfg: RunConfig) -> list[Pool]:
+def _pools(cfg: JobConfig) -> list[Pool]:
     rollout_gpus = cfg.engine.vllm.tensor_parallel_size if cfg.engine.kind == "vllm" else 0
     c = cfg.cluster
     return [
@@ -109,7 +109,7 @@ def _container_repo() -> PurePosixPath:
     return PurePosixPath(workdirs[0])
 
 
-def _entrypoint_config(entrypoint: str) -> tuple[list[str], RunConfig]:
+def _entrypoint_config(entrypoint: str) -> tuple[list[str], JobConfig]:
     """Parse a RayJob entrypoint as the job would run it and load the config it names."""
     argv = shlex.split(entrypoint)
     # KubeRay's submitter runs the entrypoint through a shell, `ray job submit` joins the words
@@ -128,7 +128,7 @@ def _entrypoint_config(entrypoint: str) -> tuple[list[str], RunConfig]:
 
 
 @pytest.fixture(scope="module")
-def gpu_cfg() -> RunConfig:
+def gpu_cfg() -> JobConfig:
     return load_config(str(GPU_CONFIG))
 
 
@@ -278,7 +278,7 @@ def test_rayjob_worker_groups_serve_the_pools(rayjob):
         assert capacity >= pool.workers, f"group {host} has room for {capacity} {pool.name} workers"
 
 
-def _check_mounts(container: dict[str, Any], cfg: RunConfig) -> None:
+def _check_mounts(container: dict[str, Any], cfg: JobConfig) -> None:
     """Every pod sees the model directory and the (shared) run directory."""
     mounts = [PurePosixPath(m["mountPath"]) for m in container.get("volumeMounts", [])]
     for path in (cfg.model.path, cfg.train.output_dir):

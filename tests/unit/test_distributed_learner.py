@@ -5,10 +5,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.rollout_worker import Lease, RolloutWorker
-from learners.distributed import deal_rows
-from learners.learner import Learner
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.learners.distributed import deal_rows
+from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.tree import trees_from_arrow
 
 

@@ -216,9 +216,10 @@ def test_modifiers_config_builds_the_node_modifiers_and_checks_its_values():
 
 
 def test_learner_update_with_every_modifier_on(tiny_cfg, tiny_policy):
-    from actors.rollout_worker import Lease, RolloutWorker
-    from learners.learner import Learner
+    from treegrpo_ray.actors.rollout_worker import RolloutWorker
+    from treegrpo_ray.actors.schedule import Lease
     from treegrpo_ray.envs.multihop import MultihopTask
+    from treegrpo_ray.learners.learner import Learner
     from treegrpo_ray.tree import trees_from_arrow
 
     modifiers = {

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.advantage import route_to_nodes
+from treegrpo_ray.learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees

@@ -4,8 +4,8 @@ import logging
 
 import torch
 
-from actors.engines.hf_engine import HFEngine
-from actors.engines.prefix_cache import PrefixCache
+from treegrpo_ray.actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.engine import GenerationRequest, SamplingParams
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 

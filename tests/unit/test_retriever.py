@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from actors.retriever import Retriever
+from treegrpo_ray.actors.retriever import Retriever
 from treegrpo_ray.envs.qa_fixture import build_fixture, write_fixture
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.errors import UserInputError

@@ -4,17 +4,18 @@ from collections import Counter
 
 import pytest
 
-from actors.rollout_worker import Lease, RolloutWorker
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.config import SamplingConfig, TreeConfig
 from treegrpo_ray.envs.multihop import MultihopTask
-from treegrpo_ray.tree import arrow_metadata, trees_from_arrow
+from treegrpo_ray.tree import batch_info, trees_from_arrow
 
 
 def _expand(cfg, policy, tree: TreeConfig, sampling=None, prompts=8, seed=3):
     worker = RolloutWorker(policy, cfg.task, tree, sampling or cfg.sampling, seed=0)
     samples = MultihopTask(cfg.task.multihop).train_samples()[:prompts]
     table = worker.expand(Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=seed))
-    return trees_from_arrow(table), arrow_metadata(table)
+    return trees_from_arrow(table), batch_info(table)
 
 
 @pytest.mark.parametrize("m,n,l", [(2, 2, 1), (1, 3, 2), (3, 1, 1)])
@@ -36,14 +37,15 @@ def test_n_zero_gives_independent_chains(tiny_cfg, tiny_policy):
 
 
 def test_budget_counters_equal_what_was_produced(tiny_cfg, tiny_policy):
-    trees, meta = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1))
-    for group_id, budget in meta["budgets"].items():
-        nodes = [n for t in trees if t.group_id == int(group_id) for n in t.nodes]
-        assert budget["generated_tokens"] == sum(len(n.action_ids) for n in nodes)
-        assert budget["tool_calls"] == sum(n.tool_call for n in nodes)
-        assert budget["leaves"] == sum(n.finished for n in nodes)
-        assert budget["prefill_tokens"] > 0
-    assert sum(b["tool_calls"] for b in meta["budgets"].values()) > 0
+    trees, info = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1))
+    assert sorted(info.budgets) == sorted({t.group_id for t in trees})
+    for group_id, budget in info.budgets.items():
+        nodes = [n for t in trees if t.group_id == group_id for n in t.nodes]
+        assert budget.generated_tokens == sum(len(n.action_ids) for n in nodes)
+        assert budget.tool_calls == sum(n.tool_call for n in nodes)
+        assert budget.leaves == sum(n.finished for n in nodes)
+        assert budget.prefill_tokens > 0
+    assert sum(b.tool_calls for b in info.budgets.values()) > 0
 
 
 def test_over_long_actions_become_leaves_with_no_answer(tiny_cfg, tiny_policy):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from actors.rollout_worker import make_env
+from treegrpo_ray.actors.rollout_worker import make_env
 from treegrpo_ray.config import TaskConfig, load_config
 from treegrpo_ray.envs.base import EpisodeState, Sample
 from treegrpo_ray.envs.multihop import MultihopEnv

@@ -4,12 +4,14 @@ from dataclasses import astuple
 
 import pytest
 
-from treegrpo_ray.search import TreePlanner, TreeShape
+from treegrpo_ray.budget import Budget
+from treegrpo_ray.planner import TreePlanner, TreeShape
 from treegrpo_ray.tree import (
     NODE_SCHEMA,
     ROOT,
+    BatchInfo,
     Tree,
-    arrow_metadata,
+    batch_info,
     trees_from_arrow,
     trees_to_arrow,
 )
@@ -52,7 +54,10 @@ def _comparable(tree):
 
 def test_arrow_round_trip_keeps_every_field():
     trees = [_example_tree(7, 2), _example_tree(8, 2)]
-    table = trees_to_arrow(trees, metadata={"lease_id": 4})
+    info = BatchInfo(
+        4, policy_version=3, budgets={2: Budget(generated_tokens=9)}, rollout_seconds=1.5
+    )
+    table = trees_to_arrow(trees, info)
     assert table.schema.names == NODE_SCHEMA.names
     assert table.num_rows == 8
     # the prompt is stored once per tree
@@ -63,7 +68,7 @@ def test_arrow_round_trip_keeps_every_field():
         (8, 2, [1, 2, 3]),
     ]
     assert _comparable(back[0]) == _comparable(trees[0])
-    assert arrow_metadata(table) == {"lease_id": 4}
+    assert batch_info(table) == info
 
 
 def test_tree_paths_prefixes_and_depths():

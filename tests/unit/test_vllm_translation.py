@@ -13,7 +13,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from actors.engines.vllm_engine import (
+from treegrpo_ray.actors.engines.vllm_engine import (
     RequestProgress,
     generate_in_segments,
     lora_identity,
@@ -22,7 +22,7 @@ from actors.engines.vllm_engine import (
     vllm_lora_rank,
     write_peft_adapter,
 )
-from cluster.engines import vllm_actor_options
+from treegrpo_ray.cluster.engines import vllm_actor_options
 from treegrpo_ray.config import VLLMConfig
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model

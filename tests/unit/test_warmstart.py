@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learners.warmstart import (
+from treegrpo_ray.config import WarmStartConfig
+from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
+from treegrpo_ray.learners.warmstart import (
     LOG_NAME,
     accumulate_gradients,
     cache_key,
@@ -18,8 +20,6 @@ from learners.warmstart import (
     demonstration_tokens,
     warm_start,
 )
-from treegrpo_ray.config import WarmStartConfig
-from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, load_policy
 
 TASK = MultihopConfig(train_questions=128, heldout_questions=16)

@@ -79,3 +79,12 @@ class AgentEnv(Protocol):
     def success(self, state: Any) -> bool:
         """Whether the episode's final answer is correct (exact match), whatever its format."""
         ...
+
+
+class Task(Protocol):
+    """A task's questions: the split the run trains on and the held-out split it is evaluated
+    on, each in a fixed order (``MultihopTask``, ``SearchQATask``)."""
+
+    def train_samples(self) -> list[Sample]: ...
+
+    def heldout_samples(self) -> list[Sample]: ...

@@ -11,7 +11,7 @@ The text protocol (every action ends at a stop sequence, ``</search>`` or ``</an
 ``step`` reads the last ``<search>``/``<answer>`` tag pair of the action (free text before it, such
 as ``<think>...</think>``, is allowed). The reward is the paper's format-aware exact match
 (``treegrpo_ray.rewards.format_aware_em``). The search tool is a batched callable
-``search(queries, k) -> passages per query`` (``actors.retriever.Retriever.search_batch`` in-process,
+``search(queries, k) -> passages per query`` (``treegrpo_ray.actors.retriever.Retriever.search_batch`` in-process,
 or the client of the retriever actor); ``step_batch`` sends all the searches of a batch in one call.
 """
 

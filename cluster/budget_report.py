@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.budget_stats import detectable_difference, matched_difference, mean_ci
+from treegrpo_ray.budget_stats import detectable_difference, matched_difference, mean_ci
 
 METRICS = ("greedy_em", "sampled_em")
 SIGNALS = ("groups_with_variance", "train_reward")  # per run, the mean over its updates
@@ -96,7 +96,7 @@ def compare(a_runs: dict[int, dict], b_runs: dict[int, dict]) -> dict[str, Any]:
 
 def aggregate(records: list[dict], settings: dict[str, Any]) -> dict[str, Any]:
     """Per start: arm summaries and the tree-vs-chain comparisons; the headline and targets."""
-    from benchmarks.budget_efficiency import HEADLINE, PAIRS, STRETCH
+    from treegrpo_ray.cluster.budget_suite import HEADLINE, PAIRS, STRETCH
 
     by_arm = _by_arm(records)
     starts = sorted({s for s, _ in by_arm}, key=list(settings["starts"]).index)

@@ -1,0 +1,341 @@
+"""``treegrpo bench budget``: chain GRPO against Tree-GRPO at matched rollout cost.
+
+From the same warm start, every arm trains the same number of updates on the same prompts (seed
+by seed): chain GRPO with G = 2, 3, 4, 8, 16 chains per prompt, Tree-GRPO with the paper's shapes
+(M, N, L) = (1,2,1), (2,2,1), (2,6,1), (4,5,1) (nominal budgets 2, 4, 8, 16 chain-equivalents).
+Chain G = 3 is the control of budget 2: as many leaves as tree (1,2,1). Two warm starts: the
+preset's (``standard``) and a ``low``-success one (fewer warm-start steps). Along each run the
+held-out EM is evaluated at 25/50/75/100% of its updates (greedy on every question, and sampled at
+the training temperature), next to the measured cost so far (generated tokens, tool calls, prefill
+tokens, training wall time).
+
+Comparisons, paired by seed (same warm start, prompts and evaluation questions):
+
+- equal updates: the final evaluations;
+- equal measured generated tokens / equal training wall time: the arm that spent more is read, by
+  linear interpolation along its evaluations, where the other one stopped.
+
+Pre-registered headline: tree (1,2,1) minus chain G = 2, greedy held-out EM at matched generated
+tokens, from the low warm start, mean and 95% CI over the headline seeds.
+
+Runs go to OUT/runs/START/ARM/seedN.json as they finish; a rerun skips those that exist, so a
+stopped suite loses nothing. Then OUT/results.json, OUT/results.md and OUT/budget_efficiency.png.
+
+    treegrpo bench budget [--quick] [--preset tiny-multihop] [--out DIR] [--workers 2]
+                          [--steps N] [--seeds N] [--arms chain-2,tree-1x2x1] [--starts low]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI imports this module to build its parser: torch etc. load lazily
+    from treegrpo_ray.cluster.local_run import LocalRun
+    from treegrpo_ray.config import JobConfig
+
+
+COSTS = ("generated_tokens", "tool_calls", "prefill_tokens", "cached_tokens", "leaves")
+# what a run learned from, averaged over its updates: the share of prompts whose leaves' rewards
+# differ (the only ones with a nonzero group advantage) and the mean leaf reward
+SIGNALS = {"groups_with_variance": "tree/groups_with_variance", "train_reward": "tree/reward_mean"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method at one budget: ``budget`` is the nominal cost in chain-equivalents."""
+
+    name: str
+    method: str  # "chain" or "tree"
+    budget: int
+    overrides: tuple[str, ...]
+
+
+def _chain(g: int) -> Arm:
+    return Arm(f"chain-{g}", "chain", g, (f"tree.m={g}", "tree.n=0", "ppo.advantage=chain"))
+
+
+def _tree(m: int, n: int, l: int, budget: int) -> Arm:  # noqa: E741 - the paper's name
+    shape = (f"tree.m={m}", f"tree.n={n}", f"tree.l={l}", "ppo.advantage=tree")
+    return Arm(f"tree-{m}x{n}x{l}", "tree", budget, shape)
+
+
+ARMS = {
+    a.name: a
+    for a in (
+        _chain(2),
+        _chain(3),
+        _chain(4),
+        _chain(8),
+        _chain(16),
+        _tree(1, 2, 1, 2),
+        _tree(2, 2, 1, 4),
+        _tree(2, 6, 1, 8),
+        _tree(4, 5, 1, 16),
+    )
+}
+# (tree arm, chain arm) at the same nominal budget; chain-3 is budget 2's equal-leaves control.
+PAIRS = (
+    ("tree-1x2x1", "chain-2"),
+    ("tree-1x2x1", "chain-3"),
+    ("tree-2x2x1", "chain-4"),
+    ("tree-2x6x1", "chain-8"),
+    ("tree-4x5x1", "chain-16"),
+)
+HEADLINE = {"start": "low", "tree": "tree-1x2x1", "chain": "chain-2", "metric": "greedy_em"}
+STRETCH = ("tree-2x2x1", "chain-16")  # the paper's headline: tree at budget 4 >= chain at 16
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one suite runs. ``starts`` maps a warm-start name to its config overrides."""
+
+    steps: int
+    prompts_per_step: int
+    seeds: int
+    headline_seeds: int  # seeds of the headline arms (and their control) from the low start
+    eval_questions: int
+    eval_samples: int  # sampled chains per question in the final evaluation
+    starts: dict[str, tuple[str, ...]]
+    arms: tuple[str, ...] = tuple(ARMS)
+    eval_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+
+
+LOW_START = ("warmstart.steps=400",)  # measured: greedy 63%, sampled 12.6% held-out EM
+FULL = Settings(
+    steps=40,
+    prompts_per_step=16,
+    seeds=3,
+    headline_seeds=6,
+    eval_questions=1024,
+    eval_samples=2,
+    starts={"standard": (), "low": LOW_START},
+)
+QUICK = replace(FULL, steps=4, seeds=1, headline_seeds=1, eval_questions=128, eval_samples=1)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of the suite."""
+
+    preset: str
+    start: str
+    arm: str
+    seed: int
+    settings: Settings
+
+    @property
+    def key(self) -> str:
+        return f"{self.start}/{self.arm}/seed{self.seed}"
+
+    def config(self) -> JobConfig:
+        from treegrpo_ray.config import load_config
+
+        s = self.settings
+        overrides = [
+            *s.starts[self.start],
+            *ARMS[self.arm].overrides,
+            f"name=budget-{self.start}-{self.arm}-{self.seed}",
+            f"train.seed={self.seed}",
+            f"train.steps={s.steps}",
+            f"train.prompts_per_step={s.prompts_per_step}",
+            "train.max_policy_lag=0",
+            "cluster.torch_threads=1",
+        ]
+        return load_config(self.preset, overrides)
+
+
+def jobs(preset: str, settings: Settings) -> list[Job]:
+    """Every run: all arms x starts x seeds, plus the extra seeds of the headline arms."""
+    out = []
+    for start in settings.starts:
+        for arm in settings.arms:
+            headline = start == HEADLINE["start"] and arm in ("tree-1x2x1", "chain-2", "chain-3")
+            seeds = max(settings.seeds, settings.headline_seeds) if headline else settings.seeds
+            out += [Job(preset, start, arm, seed, settings) for seed in range(seeds)]
+    return out
+
+
+def eval_steps(settings: Settings) -> list[int]:
+    """Updates after which a run is evaluated (25/50/75/100% of its updates, at least 1)."""
+    return sorted({max(1, round(f * settings.steps)) for f in settings.eval_fractions})
+
+
+def evaluate(run: LocalRun, settings: Settings, final: bool) -> dict[str, float]:
+    """Greedy EM on every held-out question; sampled EM on each question once (``eval_samples``
+    times in the final evaluation: more samples where the headline is read)."""
+    samples = settings.eval_samples if final else 1
+    sampled = [
+        run.evaluate(settings.eval_questions, run.cfg.sampling.temperature, repeat=k)
+        for k in range(samples)
+    ]
+    return {
+        "greedy_em": run.evaluate(settings.eval_questions, temperature=0.0),
+        "sampled_em": statistics.fmean(sampled),
+    }
+
+
+def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float]:
+    """The evaluation before training: the same for every arm of a (start, seed), so computed by
+    the first of them and read from OUT/warm/START/seedN.json by the others."""
+    path = out / "warm" / job.start / f"seed{job.seed}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = evaluate(run, job.settings, final=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # runs in parallel may both compute it
+    partial.write_text(json.dumps(result))
+    partial.replace(path)
+    return result
+
+
+def run_job(job: Job, out: Path) -> dict[str, Any]:
+    """Train one arm, evaluating along the way; returns its record (costs are per prompt)."""
+    from treegrpo_ray.cluster.local_run import LocalRun
+    from treegrpo_ray.cluster.train import resolve_model_path
+
+    cfg = job.config()
+    run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
+    settings = job.settings
+    cost = dict.fromkeys(COSTS, 0.0)  # totals so far
+    points = [{"step": 0, "prompts": 0, "train_seconds": 0.0, **cost}]
+    points[0].update(warm_start_evaluation(run, job, out))
+    signal: dict[str, list[float]] = {name: [] for name in SIGNALS}
+    for step in range(1, settings.steps + 1):
+        metrics = run.step()
+        for name, key in SIGNALS.items():
+            signal[name].append(metrics[key])
+        for key in cost:
+            cost[key] += metrics[f"budget/{key}"]
+        if step in eval_steps(settings):
+            prompts = step * settings.prompts_per_step
+            point = {"step": step, "prompts": prompts, "train_seconds": run.train_seconds}
+            point.update(cost)
+            point.update(evaluate(run, settings, final=step == settings.steps))
+            points.append(point)
+    return {
+        "start": job.start,
+        "arm": job.arm,
+        "method": ARMS[job.arm].method,
+        "budget": ARMS[job.arm].budget,
+        "seed": job.seed,
+        "seconds_per_update": run.train_seconds / settings.steps,
+        **{name: statistics.fmean(values) for name, values in signal.items()},
+        "points": points,
+    }
+
+
+def _prepare_warm_starts(preset: str, settings: Settings, log: Callable[[str], None]) -> None:
+    """Build (or find cached) each warm start once, before runs share them."""
+    from treegrpo_ray.cluster.train import resolve_model_path
+    from treegrpo_ray.config import load_config
+
+    for start, overrides in settings.starts.items():
+        started = time.perf_counter()
+        cfg = load_config(preset, list(overrides))
+        path = resolve_model_path(cfg, progress=False)
+        log(f"warm start '{start}': {path} ({time.perf_counter() - started:.0f} s)")
+
+
+def run_suite(
+    preset: str,
+    settings: Settings,
+    out: Path,
+    workers: int = 2,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run every missing job (``workers`` processes), then aggregate and write the report."""
+    from treegrpo_ray.cluster.budget_report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    _prepare_warm_starts(preset, settings, log)
+    todo = [j for j in jobs(preset, settings) if not (out / "runs" / f"{j.key}.json").exists()]
+    log(f"{len(jobs(preset, settings))} runs, {len(todo)} to do, {workers} at a time")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for done, (job, record) in enumerate(
+            zip(todo, pool.map(run_job, todo, [out] * len(todo)), strict=True)
+        ):
+            path = out / "runs" / f"{job.key}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+            final = record["points"][-1]
+            log(
+                f"[{done + 1}/{len(todo)}] {job.key}: greedy {100 * final['greedy_em']:.1f} "
+                f"sampled {100 * final['sampled_em']:.1f}, "
+                f"{final['generated_tokens'] / final['prompts']:.0f} tokens/prompt "
+                f"({time.perf_counter() - started:.0f} s)"
+            )
+    records = [
+        json.loads((out / "runs" / f"{j.key}.json").read_text()) for j in jobs(preset, settings)
+    ]
+    settings_dict = asdict(settings) | {"preset": preset}
+    return write_report(records, settings_dict, out, time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treegrpo bench budget", description=__doc__)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 updates, 1 seed")
+    parser.add_argument("--preset", default="tiny-multihop", help="task/model preset or YAML")
+    parser.add_argument("--out", default="benchmarks/results/budget", help="output directory")
+    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+    parser.add_argument("--steps", type=int, help="override the updates per run")
+    parser.add_argument("--seeds", type=int, help="override the seeds per arm (and headline)")
+    parser.add_argument(
+        "--arms", type=_names(ARMS), help=f"a subset of the arms, comma-separated: {','.join(ARMS)}"
+    )
+    parser.add_argument(
+        "--starts", type=_names(FULL.starts), help="a subset of the warm starts: standard,low"
+    )
+
+
+def _names(known: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: a comma-separated subset of ``known``."""
+    known = tuple(known)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown or 'empty list'}; choose from {','.join(known)}"
+            )
+        return names
+
+    return parse
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    settings = QUICK if args.quick else FULL
+    if args.steps:
+        settings = replace(settings, steps=args.steps)
+    if args.seeds:
+        settings = replace(settings, seeds=args.seeds, headline_seeds=args.seeds)
+    if args.arms:
+        settings = replace(settings, arms=args.arms)
+    if args.starts:
+        starts = {name: settings.starts[name] for name in args.starts}
+        settings = replace(settings, starts=starts)
+    summary = run_suite(args.preset, settings, Path(args.out), args.workers)
+    print(summary["line"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
