@@ -1,21 +1,15 @@
-"""The job's controller: starts the rollout pool and the queue, leases prompt groups, tracks and
-publishes policy versions, runs held-out evaluations, writes the metrics, scales the pool.
+"""The job's controller: the driver-facing API of one training job.
+
+It starts the rollout pool and the queue, runs the lease loop (``leasing.LeaseScheduler`` decides
+which lease goes where), tracks and publishes policy versions, starts held-out evaluations
+(``evaluation.Evaluator``), writes the metrics (``metrics_log.MetricsLog``), scales the pool and
+rewinds the job when a learner restarts.
 
 It runs as one named Ray actor (``treegrpo-controller-NAME`` in the ``treegrpo`` namespace) with
 several threads: ``run`` (the lease loop) occupies one, while the learner's ``publish`` calls,
-the driver's ``wait_records`` polls, ``scale`` requests and background evaluations use the others.
-
-Leases: each step's prompt groups are cut into leases of ``prompts_per_step / rollout_workers``
-groups; a lease's groups and seed depend only on the step and the run's seed, so any worker can
-run it. The controller calls ``worker.expand_leased.remote(lease)`` itself: it owns every tree
-batch, and enqueues one only when its receipt (a small separate object) says the lease succeeded.
-A lease whose worker died goes back to the front of the backlog; Ray restarts the worker, which
-gets the current policy before its next lease. Every prompt group thus reaches the learner once
+the driver's ``wait_records`` polls, ``scale`` requests and background evaluations use the
+others; ``lock`` guards the shared state. Every prompt group reaches the learner once
 (``groups/consumed`` and ``groups/duplicates`` in the summary count it).
-
-Streaming: the leases of step ``s`` are issued once the learner's version is at least
-``s - max_policy_lag``; a new version is sent to each worker before its next lease, so with a
-lag of 1 or more the workers keep generating while the learner trains.
 """
 
 from __future__ import annotations
@@ -27,25 +21,17 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 from ray.util.queue import Full
-from torch.utils.tensorboard import SummaryWriter
 
-from treegrpo_ray.actors.schedule import (
-    Lease,
-    LeaseReceipt,
-    eval_seed,
-    load_task,
-    step_leases,
-    training_order,
-)
+from treegrpo_ray.actors.schedule import LeaseReceipt, eval_seed, load_task
 from treegrpo_ray.actors.tree_queue import TreeQueue
 from treegrpo_ray.cluster.evaluation import Evaluator, Measurement, Snapshot
+from treegrpo_ray.cluster.leasing import LeaseScheduler
+from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
 from treegrpo_ray.config import JobConfig
@@ -68,93 +54,6 @@ def controller_name(run_name: str) -> str:
     return f"treegrpo-controller-{run_name}"
 
 
-class MetricsLog:
-    """``metrics.jsonl`` plus a TensorBoard log in the run directory.
-
-    ``rewind(step)`` (a resumed run, a restarted learner) drops the records of later steps, which
-    are about to be redone, from both; ``records`` holds the ones kept. A record can be held back
-    (``add(..., ready=False)``) until its evaluation ``complete``s it; the records after it wait
-    with it, so the files stay in step order."""
-
-    def __init__(self, run_dir: Path, resume_after: int | None = None):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.run_dir = run_dir
-        self.path = run_dir / "metrics.jsonl"
-        self.records: list[dict[str, Any]] = []
-        self.pending: dict[int, tuple[dict[str, Any], bool]] = {}  # step -> (record, ready)
-        self.tensorboard: SummaryWriter | None = None
-        self.jsonl = None
-        if resume_after is None:
-            self._open([], None)
-        else:
-            self.rewind(resume_after)
-
-    def rewind(self, step: int) -> None:
-        self.close()
-        self.pending = {s: entry for s, entry in self.pending.items() if s <= step}
-        self._open(_records_upto(self.path, step), step + 1)
-
-    def add(self, step: int, record: dict[str, Any], ready: bool = True) -> None:
-        """Write ``record`` once it and every earlier pending one are ready."""
-        self.pending[step] = (record, ready)
-        self._flush()
-
-    def complete(self, step: int, extra: dict[str, Any]) -> None:
-        """A held record's evaluation finished: add ``extra`` to it and write what is ready.
-        Nothing happens if a rewind dropped the step meanwhile."""
-        if step in self.pending:
-            record, _ = self.pending[step]
-            self.pending[step] = ({**record, **extra}, True)
-            self._flush()
-
-    def _flush(self) -> None:
-        while self.pending:
-            step = min(self.pending)
-            record, ready = self.pending[step]
-            if not ready:
-                return
-            del self.pending[step]
-            self.write(step, record)
-
-    def _open(self, records: list[dict[str, Any]], purge_step: int | None) -> None:
-        self.records[:] = records
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        self.jsonl = self.path.open("a")
-        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
-
-    def write(self, step: int, record: dict[str, Any]) -> None:
-        self.records.append({"step": step, **record})
-        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
-        self.jsonl.flush()
-        for key, value in record.items():
-            if isinstance(value, (int, float)):
-                self.tensorboard.add_scalar(key, value, step)
-        self.tensorboard.flush()
-
-    def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
-            self.tensorboard.close()
-            self.jsonl = None
-
-
-def _records_upto(path: Path, last_step: int) -> list[dict[str, Any]]:
-    """The step records in ``path`` up to and including ``last_step``."""
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r["step"] <= last_step]
-
-
-@dataclass
-class InFlight:
-    """A lease being expanded: which worker runs it and the ref of its tree batch."""
-
-    lease: Lease
-    worker_id: int
-    trees: ray.ObjectRef
-
-
 class Controller:
     """Orchestrates one training job (see module docstring).
 
@@ -165,9 +64,7 @@ class Controller:
     def __init__(self, cfg: JobConfig, model_path: str, resume_from: int | None = None):
         self.cfg = cfg
         task = load_task(cfg.task)
-        self.train_samples = task.train_samples()
         self.heldout = task.heldout_samples()
-        self.order = training_order(len(self.train_samples), cfg.train.seed)
         self.queue = TreeQueue(cfg.cluster.queue_size)
         self.search = None  # the retriever actor's client (search_qa): one index per job
         if cfg.task.name == "search_qa":
@@ -177,23 +74,19 @@ class Controller:
         for _ in range(cfg.cluster.rollout_workers):
             self.pool.add(0, None)
         self.lock = threading.Condition()
-        self.next_step = resume_from or 0
-        self.version = self.next_step
+        self.version = resume_from or 0
+        self.leases = LeaseScheduler(cfg, self.pool, task.train_samples(), self.version)
         self.weights: ray.ObjectRef | None = None  # the newest policy, for workers behind it
         self.policy_ready = resume_from is None
-        self.backlog: collections.deque[Lease] = collections.deque()
-        self.in_flight: dict[ray.ObjectRef, InFlight] = {}
         self.consumed: dict[int, list[int]] = {}  # policy version -> groups its update used
         self.learners: dict[int, dict[str, Any]] = {}
         self.learner_restarts = 0
-        self.worker_cache: dict[int, dict[str, float]] = {}
         self.evaluations_running = 0  # a scaled-down worker is only stopped when this is 0
         self.evaluator = Evaluator(
             self.heldout, eval_seed(cfg.train.seed), self.pool, self.lock, self._workers_kept
         )
-        self.rewinds = 0  # an evaluation started before a rewind is dropped
         self.started = time.perf_counter()
-        self.busy_s, self.interval_start = 0.0, self.started
+        self.interval_start = self.started
         self.running = self.paused = self.parked = self.stopped = False
         self.failure: str | None = None
         self.log = MetricsLog(cfg.run_dir, resume_after=resume_from)
@@ -225,8 +118,10 @@ class Controller:
                 self._remember("before", measured)
             while self._wait_while_paused():
                 with self.lock:
-                    self._plan_steps()
-                    self._issue()
+                    if self.policy_ready:
+                        self.leases.plan(self.version)
+                    if self.leases.issue(self.version, self.weights):
+                        self.lock.notify_all()
                 self._collect(self._ready_receipts())
         except Exception as err:
             self.abort(f"rollout failed: {err}")
@@ -248,57 +143,9 @@ class Controller:
                 self.parked = False
             return not self.stopped
 
-    def _plan_steps(self) -> None:
-        """Queue the leases of every step the staleness bound allows now."""
-        train = self.cfg.train
-        while (
-            self.policy_ready
-            and self.next_step < train.steps
-            and self.version >= self.next_step - train.max_policy_lag
-        ):
-            self.backlog.extend(self._leases(self.next_step))
-            self.next_step += 1
-
-    def _leases(self, step: int) -> list[Lease]:
-        """The leases of ``step``: a function of the step and the run's seed only."""
-        train = self.cfg.train
-        return step_leases(
-            self.train_samples,
-            self.order,
-            step,
-            train.prompts_per_step,
-            self.cfg.lease_size(),
-            train.seed,
-        )
-
-    def _issue(self) -> None:
-        """Give the next leases to workers without one, each on the newest policy."""
-        self.pool.check_probes()
-        busy = {item.worker_id for item in self.in_flight.values()}
-        for worker_id in self.pool.usable():
-            if not self.backlog:
-                return
-            if worker_id in busy:
-                continue
-            self._bring_up_to_date(worker_id)
-            lease = self.backlog.popleft()
-            handle = self.pool.workers[worker_id].handle
-            receipt, trees = handle.expand_leased.options(num_returns=2).remote(lease)
-            self.in_flight[receipt] = InFlight(lease, worker_id, trees)
-            self.lock.notify_all()
-
-    def _bring_up_to_date(self, worker_id: int) -> None:
-        worker = self.pool.workers[worker_id]
-        if worker.version == self.version:
-            return
-        if self.weights is None:  # nothing published yet: every instance starts on it
-            worker.version = self.version
-        else:
-            self.pool.sync(worker_id, self.version, self.weights)
-
     def _ready_receipts(self) -> list[ray.ObjectRef]:
         with self.lock:
-            pending = list(self.in_flight)
+            pending = list(self.leases.in_flight)
             if not pending:
                 self.lock.wait(POLL_S)
                 return []
@@ -308,23 +155,16 @@ class Controller:
     def _collect(self, receipts: list[ray.ObjectRef]) -> None:
         """Enqueue the batches of finished leases; put back the leases of dead workers."""
         for ref in receipts:
-            failure: RayActorError | None = None
+            receipt: LeaseReceipt | RayActorError
             try:
-                receipt: LeaseReceipt = ray.get(ref)
+                receipt = ray.get(ref)
             except RayActorError as err:
-                failure = err
+                receipt = err
             with self.lock:
-                item = self.in_flight.pop(ref, None)
-                if item is None:  # dropped by a rewind
-                    continue
-                if failure is not None:
-                    self.backlog.appendleft(item.lease)
-                    self.pool.lost_lease(item.worker_id, failure)
-                else:
-                    self.busy_s += receipt.info.rollout_seconds
-                    self.worker_cache[item.worker_id] = receipt.cache
+                item = self.leases.settle(ref, receipt)
+                if item is not None:
                     self._retire_if_asked(item.worker_id)
-            if failure is None:
+            if item is not None:
                 self._enqueue(item.trees)
 
     def _enqueue(self, trees: ray.ObjectRef) -> None:
@@ -365,12 +205,11 @@ class Controller:
             metrics.update(self._pipeline_metrics())
             metrics["timing/elapsed_s"] = time.perf_counter() - self.started
             self.log.add(version, metrics, ready=not measurements)
-            rewinds = self.rewinds
             self.lock.notify_all()
         if measurements:
             threading.Thread(
                 target=self._evaluate_in_background,
-                args=(Snapshot(version, weights[0]), measurements, rewinds),
+                args=(Snapshot(version, weights[0]), measurements, metrics),
                 name=f"evaluate-{version}",
                 daemon=True,
             ).start()
@@ -392,10 +231,10 @@ class Controller:
         ]
 
     def _evaluate_in_background(
-        self, snapshot: Snapshot, measurements: list[Measurement], rewinds: int
+        self, snapshot: Snapshot, measurements: list[Measurement], record: dict[str, Any]
     ) -> None:
-        """Measure ``snapshot`` and complete its held record (dropped if the job was rewound
-        or stopped meanwhile); a failed evaluation stops the run."""
+        """Measure ``snapshot`` and complete its held ``record`` (unless a rewind dropped it or
+        the job stopped meanwhile); a failed evaluation stops the run."""
         started = time.perf_counter()
         try:
             measured = self.evaluator.measure(snapshot, measurements)
@@ -403,13 +242,12 @@ class Controller:
             self.abort(str(err))
             return
         with self.lock:
-            if self.stopped or self.rewinds != rewinds:
+            if self.stopped:
                 return
             if snapshot.version == self.cfg.train.steps:
                 self._remember("after", measured)
-            self.log.complete(
-                snapshot.version, {**measured, "timing/eval_s": time.perf_counter() - started}
-            )
+            extra = {**measured, "timing/eval_s": time.perf_counter() - started}
+            self.log.complete(snapshot.version, record, extra)
             self.lock.notify_all()
 
     def _remember(self, when: str, measured: dict[str, float]) -> None:
@@ -426,15 +264,16 @@ class Controller:
         """Queue length, rollout idle share since the last version, the workers' KV caches."""
         now = time.perf_counter()
         capacity = max(len(self.pool.active()) * (now - self.interval_start), 1e-9)
+        caches = self.leases.worker_cache.values()
         metrics = {
             "queue/size": float(self.queue.size()),
-            "rollout/idle_frac": max(0.0, 1.0 - self.busy_s / capacity),
+            "rollout/idle_frac": max(0.0, 1.0 - self.leases.take_busy_seconds() / capacity),
             "rollout/workers": float(len(self.pool.active())),
             "rollout/worker_failures": float(self.pool.failures),
-            "rollout/cache_bytes": sum(c["bytes"] for c in self.worker_cache.values()),
-            "rollout/cache_evictions": sum(c["evictions"] for c in self.worker_cache.values()),
+            "rollout/cache_bytes": sum(c["bytes"] for c in caches),
+            "rollout/cache_evictions": sum(c["evictions"] for c in caches),
         }
-        self.busy_s, self.interval_start = 0.0, now
+        self.interval_start = now
         return metrics
 
     def restore(self, version: int, weights: list[ray.ObjectRef]) -> None:
@@ -446,13 +285,11 @@ class Controller:
         with self.lock:
             self.paused = True
             self.lock.wait_for(lambda: self.parked or not self.running or self.stopped)
-            self.rewinds += 1
-            self.in_flight.clear()
-            self.backlog.clear()
+            self.leases.rewind(version)
             self.queue.drain()
             self.consumed = {v: g for v, g in self.consumed.items() if v <= version}
             self.log.rewind(version)
-            self.weights, self.version, self.next_step = weights[0], version, version
+            self.weights, self.version = weights[0], version
             refs = [self.pool.sync(w, version, weights[0]) for w in self.pool.active()]
         ray.get(refs)
         with self.lock:
@@ -516,7 +353,7 @@ class Controller:
         """Stop a retiring worker once it holds no lease and no evaluation runs (caller holds
         the lock)."""
         worker = self.pool.workers.get(worker_id)
-        holds_lease = any(item.worker_id == worker_id for item in self.in_flight.values())
+        holds_lease = self.leases.holds_lease(worker_id)
         if (
             worker is not None
             and worker.retiring
@@ -573,8 +410,8 @@ class Controller:
         """Handles of the rollout workers running a lease, by worker id; waits up to
         ``timeout`` s for one (observability, and fault tests kill one mid-step)."""
         with self.lock:
-            self.lock.wait_for(lambda: self.in_flight or self.stopped, timeout)
-            busy = {item.worker_id for item in self.in_flight.values()}
+            self.lock.wait_for(lambda: self.leases.in_flight or self.stopped, timeout)
+            busy = {item.worker_id for item in self.leases.in_flight.values()}
             return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
 
     def abort(self, reason: str) -> None:

@@ -2,6 +2,9 @@
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -23,21 +26,24 @@ def two_step_run(make_cfg, tiny_policy):
 
     def run(learners: int):
         if learners not in runs:
-            cfg = make_cfg(
-                f"name=e2e-{learners}",
-                f"cluster.learner_workers={learners}",
-                f"cluster.torch_threads={3 - learners}",  # one thread per core
-                "train.steps=2",
-                "train.prompts_per_step=4",
-                "train.eval_every=1",
-                "train.eval_questions=16",
-                "train.final_eval_questions=16",
-                "train.checkpoint_every=1",
-            )
+            cfg = make_cfg(f"name=e2e-{learners}", *_two_steps(learners))
             runs[learners] = cfg, train(cfg, progress=False)
         return runs[learners]
 
     return run
+
+
+def _two_steps(learners: int) -> list[str]:
+    return [
+        f"cluster.learner_workers={learners}",
+        f"cluster.torch_threads={3 - learners}",  # one thread per core
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "train.eval_every=1",
+        "train.eval_questions=16",
+        "train.final_eval_questions=16",
+        "train.checkpoint_every=1",
+    ]
 
 
 @pytest.mark.parametrize("learners", [1, 2], ids=["1-learner", "2-learners"])
@@ -125,6 +131,50 @@ def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
         assert len(same) > 20  # tree/, budget/ and learner/ figures, the evaluation
         assert {k: got[k] for k in same} == same
     assert _same_tensors_as(run.learner.model, cfg.run_dir / "checkpoint-final")
+
+
+def test_a_run_alongside_another_training_gives_the_same_records(
+    two_step_run, make_cfg, tiny_cfg, tmp_path
+):
+    """Same-machine reproducibility under load: the 2-update run again, while a second training
+    (its own Ray instance, in another process) keeps both cores busy."""
+    cfg, summary = two_step_run(learners=1)
+    other_runs = tmp_path / "other"
+    other = subprocess.Popen(
+        [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop", "--quiet"]
+        + [a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_first_record(other_runs / "tiny-multihop" / "metrics.jsonl", other)
+        again = make_cfg("name=e2e-again", *_two_steps(learners=1))
+        train(again, progress=False)
+    finally:
+        other.kill()
+        other.wait()
+    expected, got = (_read_records(c.run_dir) for c in (cfg, again))
+    assert [_repeatable(r) for r in got] == [_repeatable(r) for r in expected]
+    assert _same_tensors(cfg.run_dir / "checkpoint-final", again.run_dir / "checkpoint-final")
+
+
+def _long_run(tiny_cfg, output_dir):
+    """Overrides of a training that runs until it is killed, on the tests' warm start."""
+    return [
+        "train.steps=100000",
+        "train.eval_every=0",
+        f"train.output_dir={output_dir}",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+    ]
+
+
+def _wait_for_first_record(metrics, process):
+    """Return once the other training has written a step record (it is past its start-up)."""
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.5)  # a poll interval; the other run's progress decides when this returns
 
 
 def _read_records(run_dir):
