@@ -243,6 +243,8 @@ def train(
                 name=cfg.name,
                 storage_path=str((cfg.run_dir / "ray_train").resolve()),
                 failure_config=FailureConfig(max_failures=cfg.cluster.learner_max_failures),
+                # they load torch before this package (see treegrpo_ray/__init__.py)
+                worker_runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}},
             ),
         )
         outcome: dict[str, Any] = {}

@@ -277,7 +277,12 @@ class ClusterConfig(_Section):
     learner_max_failures: int = Field(
         2, ge=-1, description="Ray Train restarts of the learner group from the last checkpoint."
     )
-    torch_threads: int = Field(1, gt=0, description="torch intra-op threads per process.")
+    torch_threads: int = Field(
+        1,
+        gt=0,
+        description="torch intra-op threads per process; at most the CPUs it reserves "
+        "(rollout_cpus, learner_cpus): more threads than cores slow every process on the machine.",
+    )
     retriever_cpus: float = Field(
         1, ge=0, description="CPUs of the retriever actor (task search_qa only; one per job)."
     )
