@@ -53,6 +53,9 @@ def _connect(cfg: JobConfig) -> bool:
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
         return True
+    # Ray starts its workers at nice 15 (to keep its own daemons responsive on a busy node); on a
+    # machine the run shares, that lets any other program starve the rollout workers and learners.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     need = required_resources(cfg)
     ray.init(
         num_cpus=math.ceil(need.pop("CPU")),

@@ -144,6 +144,7 @@ def start_cluster(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN_PATH=str(token_path),
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+        RAY_worker_niceness="0",  # as `treegrpo train` starts Ray: tests share the machine
         **(extra_env or {}),
     )
     gcs_port, dashboard_port = _free_ports(2)
