@@ -11,6 +11,7 @@ GPU model directory that the image mounts.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -62,11 +63,13 @@ def installed(tmp_path_factory) -> Path:
 
 
 def _run(bin_dir: Path, cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a program of the venv; no PYTHONPATH, so only the installed copy can be imported."""
     return subprocess.run(
         [str(bin_dir / args[0]), *args[1:]],
         capture_output=True,
         text=True,
         cwd=cwd,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
         timeout=timeout,
     )
 
