@@ -32,6 +32,9 @@ from treegrpo_ray.learners.learner import train_loop_per_worker
 from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import check_policy_dir
 
+FIT_THREAD = "treegrpo-fit"  # the driver thread that runs the learners' TorchTrainer.fit
+FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the run stopped
+
 
 def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
     """The policy directory: ``model.path`` (checked) or the cached warm-started tiny model."""
@@ -236,6 +239,7 @@ def train(
     )
     if on_start is not None:
         on_start(controller)
+    fit_thread: threading.Thread | None = None
     try:
         production = controller.run.remote(evaluate_first=not resume)
         trainer = TorchTrainer(
@@ -251,7 +255,9 @@ def train(
             ),
         )
         outcome: dict[str, Any] = {}
-        fit_thread = threading.Thread(target=_fit, args=(trainer, outcome), daemon=True)
+        fit_thread = threading.Thread(
+            target=_fit, args=(trainer, outcome), name=FIT_THREAD, daemon=True
+        )
         fit_thread.start()
         _show_progress(controller, cfg.train.steps, fit_thread, progress)
         fit_thread.join()
@@ -266,6 +272,10 @@ def train(
     finally:
         ray.get(controller.shutdown.remote())
         ray.kill(controller)
+        if fit_thread is not None:
+            # A run that stopped early (a failure, Ctrl-C) may leave Ray Train finishing in this
+            # thread; it must not outlive ray.shutdown (it crashed a later Ray session here).
+            fit_thread.join(FIT_JOIN_TIMEOUT_S)
         if started_ray:
             ray.shutdown()
     seconds = time.perf_counter() - start

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 
 from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
-from treegrpo_ray.cluster.train import resolve_model_path, resume_step, train
+from treegrpo_ray.cluster.train import FIT_THREAD, resolve_model_path, resume_step, train
 from treegrpo_ray.config import resume_config
 
 pytestmark = pytest.mark.integration
@@ -208,6 +209,8 @@ def test_a_tree_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, 
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
 
     assert main(["train", str(config_file), "--quiet"]) == 1
+    # Ray Train finished before Ray was shut down: no thread of this run outlives its session
+    assert FIT_THREAD not in [t.name for t in threading.enumerate()]
 
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith("treegrpo: training stopped: tree ")
