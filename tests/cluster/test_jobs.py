@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,24 +145,16 @@ def test_logs_print_the_summary_line(finished_job, with_token):
         assert summary_line[-1].endswith(str(run_dir))
 
 
-def _wait_for_record(metrics: Path, after_step: int, workers: float) -> dict:
-    """The first record of ``metrics.jsonl`` after step ``after_step`` that the learner wrote
-    with ``workers`` rollout workers; waits for the job to write it (pytest's timeout bounds
-    the wait: the job trains far more steps than this test watches)."""
-    seen = 0
-    while True:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        for line in lines[seen:]:
-            record = json.loads(line)
-            if record["step"] > after_step and record["rollout/workers"] == workers:
-                return record
-        seen = len(lines)
-        time.sleep(0.5)  # a poll interval; the job's progress decides when this returns
+def _record_after(records, after_step: int, workers: float) -> dict:
+    """The first record after step ``after_step`` that the learner wrote with ``workers``
+    rollout workers (pytest's timeout bounds the wait: the job trains far more steps than this
+    test watches)."""
+    return next(r for r in records if r["step"] > after_step and r["rollout/workers"] == workers)
 
 
 @pytest.mark.timeout(900)
 def test_scale_resizes_a_training_job_then_stop_ends_it(
-    with_token, tiny_cfg, tiny_policy, tmp_path
+    with_token, tiny_cfg, tiny_policy, tmp_path, follow_records
 ):
     url, name = with_token.dashboard_url, "jobs-scale"
     # Many more steps than the test watches: it stops the job once it has seen both sizes.
@@ -177,12 +168,13 @@ def test_scale_resizes_a_training_job_then_stop_ends_it(
     assert up.stdout.strip() == (
         f"{job}: 2 rollout workers (policy version {version}; 1 added, on versions [{version}])"
     )
-    grown = _wait_for_record(metrics, version, workers=2.0)
+    records = follow_records(metrics)
+    grown = _record_after(records, version, workers=2.0)
 
     down = _cli("scale", name, "--rollout-workers", "1", "--address", url)  # by run name
     assert down.returncode == 0, down.stderr
     assert down.stdout.startswith(f"{name}: 1 rollout workers (policy version ")
-    shrunk = _wait_for_record(metrics, grown["step"], workers=1.0)
+    shrunk = _record_after(records, grown["step"], workers=1.0)
 
     stopped = _cli("stop", job, "--address", url)
     assert stopped.returncode == 0, stopped.stderr

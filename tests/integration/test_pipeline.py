@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -135,7 +134,7 @@ def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
 
 
 def test_a_run_alongside_another_training_gives_the_same_records(
-    two_step_run, make_cfg, tiny_cfg, tmp_path
+    two_step_run, make_cfg, tiny_cfg, tmp_path, follow_records
 ):
     """Same-machine reproducibility under load: the 2-update run again, while a second training
     (its own Ray instance, in another process) keeps both cores busy."""
@@ -149,7 +148,10 @@ def test_a_run_alongside_another_training_gives_the_same_records(
         text=True,
     )
     try:
-        _wait_for_first_record(other_runs / "tiny-multihop" / "metrics.jsonl", other)
+        # Once the other training has written a record it is past its start-up.
+        other_metrics = other_runs / "tiny-multihop" / "metrics.jsonl"
+        started = next(follow_records(other_metrics, writer_pid=other.pid), None)
+        assert started is not None, other.stderr.read()  # it exited before its first step
         again = make_cfg("name=e2e-again", *_two_steps(learners=1))
         train(again, progress=False)
     finally:
@@ -169,13 +171,6 @@ def _long_run(tiny_cfg, output_dir):
         f"warmstart.steps={tiny_cfg.warmstart.steps}",
         f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
     ]
-
-
-def _wait_for_first_record(metrics, process):
-    """Return once the other training has written a step record (it is past its start-up)."""
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert process.poll() is None, process.stderr.read()
-        time.sleep(0.5)  # a poll interval; the other run's progress decides when this returns
 
 
 def _read_records(run_dir):
