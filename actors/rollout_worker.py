@@ -47,12 +47,15 @@ def make_env(task: TaskConfig, search: SearchFn | None = None) -> AgentEnv:
     return MultihopEnv(MultihopTask(task.multihop))
 
 
-def make_engine(model_path: str, engine: EngineConfig, seed: int) -> Engine:
-    """The rollout engine named by the config, loaded from the policy directory."""
+def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = False) -> Engine:
+    """The rollout engine named by the config, loaded from the policy directory; ``lora``: the
+    learner sends LoRA adapters (vLLM must know at start-up)."""
     if engine.kind == "vllm":
         from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, engine.vllm, seed=seed, prefix_cache=engine.prefix_cache)
+        return VLLMEngine(
+            model_path, engine.vllm, seed=seed, prefix_cache=engine.prefix_cache, enable_lora=lora
+        )
     model, tokenizer = load_policy(model_path)
     cache_bytes = engine.cache_bytes if engine.prefix_cache else 0
     return HFEngine(model, tokenizer.pad_token_id, seed=seed, cache_bytes=cache_bytes)
@@ -71,9 +74,10 @@ class RolloutWorker:
         seed: int = 0,
         torch_threads: int = 1,
         search: SearchFn | None = None,
+        lora: bool = False,
     ):
         torch.set_num_threads(torch_threads)
-        self.engine = make_engine(model_path, engine or EngineConfig(), seed)
+        self.engine = make_engine(model_path, engine or EngineConfig(), seed, lora)
         self.tokenizer = load_tokenizer(model_path)
         self.env = make_env(task, search)
         self.shape = tree.shape()

@@ -7,6 +7,8 @@ placement group of TP one-GPU bundles; the actor itself takes no GPU, sits in bu
 the group for its child tasks, so vLLM (``distributed_executor_backend="ray"``, set by
 ``VLLMEngine``) finds it with ``ray.util.get_current_placement_group()`` and starts one GPU worker
 actor per bundle (``num_cpus=0, num_gpus=1``). Written from the vLLM source; not run here (no GPU).
+vLLM's CPU build (``engine.vllm.device: cpu``) takes no GPU: its workers are placed like the
+embedded engine's (``cluster/rollout_pool.py``).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ class LocalRun:
             cfg.engine,
             seed=cfg.train.seed,
             torch_threads=cfg.cluster.torch_threads,
+            lora=cfg.model.lora.enabled,
         )
         self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0

@@ -38,7 +38,7 @@ class PoolWorker:
 def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
     """Actor options of one rollout worker and the placement group they schedule into."""
     restarts = {"max_restarts": cfg.cluster.rollout_max_restarts, "max_task_retries": 0}
-    if cfg.engine.kind == "vllm":
+    if cfg.engine.rollout_gpus():
         options = vllm_actor_options(cfg.engine.vllm, num_cpus=cfg.cluster.rollout_cpus)
         options["resources"] = dict(cfg.cluster.rollout_resources)
         strategy = options.get("scheduling_strategy")
@@ -93,6 +93,7 @@ class RolloutPool:
                 seed=self.cfg.train.seed + worker_id,
                 torch_threads=self.cfg.cluster.torch_threads,
                 search=self.search,
+                lora=self.cfg.model.lora.enabled,
             )
         )
         self.workers[worker_id] = PoolWorker(handle, 0, group)

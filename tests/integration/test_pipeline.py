@@ -20,30 +20,17 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def two_step_run(make_cfg, tiny_policy):
+def two_step_run(make_cfg, tiny_policy, two_step_overrides):
     """``two_step_run(learners)``: (config, summary) of a 2-update run, trained once per module."""
     runs = {}
 
     def run(learners: int):
         if learners not in runs:
-            cfg = make_cfg(f"name=e2e-{learners}", *_two_steps(learners))
+            cfg = make_cfg(f"name=e2e-{learners}", *two_step_overrides(learners))
             runs[learners] = cfg, train(cfg, progress=False)
         return runs[learners]
 
     return run
-
-
-def _two_steps(learners: int) -> list[str]:
-    return [
-        f"cluster.learner_workers={learners}",
-        f"cluster.torch_threads={3 - learners}",  # one thread per core
-        "train.steps=2",
-        "train.prompts_per_step=4",
-        "train.eval_every=1",
-        "train.eval_questions=16",
-        "train.final_eval_questions=16",
-        "train.checkpoint_every=1",
-    ]
 
 
 @pytest.mark.parametrize("learners", [1, 2], ids=["1-learner", "2-learners"])
@@ -134,7 +121,7 @@ def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
 
 
 def test_a_run_alongside_another_training_gives_the_same_records(
-    two_step_run, make_cfg, tiny_cfg, tmp_path, follow_records
+    two_step_run, make_cfg, tiny_cfg, tmp_path, follow_records, two_step_overrides
 ):
     """Same-machine reproducibility under load: the 2-update run again, while a second training
     (its own Ray instance, in another process) keeps both cores busy."""
@@ -152,7 +139,7 @@ def test_a_run_alongside_another_training_gives_the_same_records(
         other_metrics = other_runs / "tiny-multihop" / "metrics.jsonl"
         started = next(follow_records(other_metrics, writer_pid=other.pid), None)
         assert started is not None, other.stderr.read()  # it exited before its first step
-        again = make_cfg("name=e2e-again", *_two_steps(learners=1))
+        again = make_cfg("name=e2e-again", *two_step_overrides(learners=1))
         train(again, progress=False)
     finally:
         other.kill()

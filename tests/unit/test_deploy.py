@@ -62,10 +62,9 @@ class Pool:
 
 
 def _pools(cfg: JobConfig) -> list[Pool]:
-    rollout_gpus = cfg.engine.vllm.tensor_parallel_size if cfg.engine.kind == "vllm" else 0
     c = cfg.cluster
     return [
-        Pool("rollout", dict(c.rollout_resources), rollout_gpus, c.rollout_workers),
+        Pool("rollout", dict(c.rollout_resources), cfg.engine.rollout_gpus(), c.rollout_workers),
         Pool("learner", dict(c.learner_resources), c.learner_gpus, c.learner_workers),
     ]
 

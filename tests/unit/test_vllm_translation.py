@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from treegrpo_ray.actors.engines.vllm_engine import (
     RequestProgress,
+    engine_kwargs,
     generate_in_segments,
     lora_identity,
     sampled_logprobs,
@@ -23,8 +24,9 @@ from treegrpo_ray.actors.engines.vllm_engine import (
     write_peft_adapter,
 )
 from treegrpo_ray.cluster.engines import vllm_actor_options
-from treegrpo_ray.config import VLLMConfig
+from treegrpo_ray.config import EngineConfig, JobConfig, VLLMConfig, load_config
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
+from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 from treegrpo_ray.stops import StopStrings
 
@@ -276,3 +278,57 @@ def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path):
 
 def test_single_gpu_actor_options_reserve_one_gpu():
     assert vllm_actor_options(VLLMConfig(), num_cpus=2) == {"num_cpus": 2, "num_gpus": 1}
+
+
+def _engine_kwargs(**settings) -> dict:
+    return engine_kwargs(VLLMConfig(**settings), seed=3, prefix_cache=True, enable_lora=False)
+
+
+def test_cpu_engine_settings_default_to_what_the_cpu_build_needs():
+    got = _engine_kwargs(device="cpu")
+    assert (got["block_size"], got["kv_cache_memory_bytes"]) == (32, 2**30)
+    assert got["enable_chunked_prefill"] is False  # a cut prefill crashes seeded CPU requests
+    assert got["enforce_eager"] is True
+    assert "max_num_batched_tokens" not in got  # vLLM raises it to max_model_len itself
+    chosen = _engine_kwargs(device="cpu", block_size=64, kv_cache_gib=0.5, max_num_seqs=8)
+    assert (chosen["block_size"], chosen["kv_cache_memory_bytes"]) == (64, 2**29)
+    assert chosen["max_num_seqs"] == 8
+
+
+def test_cuda_engine_settings_leave_vllm_its_defaults():
+    got = _engine_kwargs(device="cuda")
+    for key in ("block_size", "kv_cache_memory_bytes", "enable_chunked_prefill", "max_num_seqs"):
+        assert key not in got
+    assert (got["seed"], got["enforce_eager"], got["enable_lora"]) == (3, False, False)
+    assert _engine_kwargs(device="cpu", enforce_eager=False)["enforce_eager"] is False
+    chosen = _engine_kwargs(device="cuda", block_size=16, enable_chunked_prefill=False)
+    assert (chosen["block_size"], chosen["enable_chunked_prefill"]) == (16, False)
+
+
+@pytest.mark.parametrize(
+    "settings, fragment",
+    [
+        ({"block_size": 16}, "not a multiple of 32"),
+        ({"enable_chunked_prefill": True}, "cannot be true on cpu"),
+        ({"tensor_parallel_size": 2}, "must be 1 on cpu"),
+    ],
+)
+def test_settings_the_cpu_build_cannot_run_are_refused(settings, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        VLLMConfig(device="cpu", **settings)
+    VLLMConfig(device="cuda", **settings)  # fine on GPUs
+
+
+def test_rollout_workers_take_gpus_only_for_vllm_on_cuda():
+    cuda = VLLMConfig(device="cuda", tensor_parallel_size=2)
+    assert EngineConfig(kind="vllm", vllm=cuda).rollout_gpus() == 2
+    assert EngineConfig(kind="vllm", vllm=VLLMConfig(device="cpu")).rollout_gpus() == 0
+    assert EngineConfig(kind="hf", vllm=cuda).rollout_gpus() == 0
+
+
+def test_a_lora_rank_above_the_engines_is_refused():
+    overrides = ["engine.kind=vllm", "engine.vllm.device=cpu", "model.lora.rank=32"]
+    with pytest.raises(UserInputError, match=r"model.lora.rank \(32\) exceeds"):
+        load_config("tiny-multihop-lora", overrides)
+    fits = load_config("tiny-multihop-lora", [*overrides, "engine.vllm.max_lora_rank=32"])
+    assert isinstance(fits, JobConfig)
