@@ -65,8 +65,9 @@ class MetricsLog:
         self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        self.records.append({"step": step, **record})
-        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
+        full = {"step": step, **record}
+        self.records.append(full)
+        self.jsonl.write(json.dumps(full) + "\n")
         self.jsonl.flush()
         for key, value in record.items():
             if isinstance(value, (int, float)):
