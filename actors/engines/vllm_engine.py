@@ -301,7 +301,7 @@ def engine_kwargs(
         # (see cluster/engines.py); one GPU runs in-process ("uni", vLLM's default).
         "distributed_executor_backend": "ray" if tp > 1 else None,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
-        "dtype": settings.dtype,
+        "dtype": "float32" if settings.dtype == "auto" else settings.dtype,
         "max_model_len": settings.max_model_len,
         "enable_prefix_caching": prefix_cache and settings.enable_prefix_caching,
         "seed": seed,

@@ -289,6 +289,7 @@ def test_cpu_engine_settings_default_to_what_the_cpu_build_needs():
     assert (got["block_size"], got["kv_cache_memory_bytes"]) == (32, 2**30)
     assert got["enable_chunked_prefill"] is False  # a cut prefill crashes seeded CPU requests
     assert got["enforce_eager"] is True
+    assert got["dtype"] == "float32"  # the learner's; vLLM's own "auto" picks bfloat16 on CPU
     assert "max_num_batched_tokens" not in got  # vLLM raises it to max_model_len itself
     chosen = _engine_kwargs(device="cpu", block_size=64, kv_cache_gib=0.5, max_num_seqs=8)
     assert (chosen["block_size"], chosen["kv_cache_memory_bytes"]) == (64, 2**29)
