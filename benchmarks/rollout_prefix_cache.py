@@ -37,7 +37,7 @@ from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.config import EngineConfig, JobConfig, TaskConfig, TreeConfig, load_config
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, SamplingParams
+from treegrpo_ray.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopTask
 from treegrpo_ray.learners.warmstart import warm_start
@@ -67,7 +67,7 @@ class TracedRequest:
 class TraceRecorder:
     """Wraps an engine and records each ``generate`` call as a wave of ``TracedRequest``s."""
 
-    def __init__(self, engine: HFEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.version = engine.version
         self.waves: list[list[TracedRequest]] = []
@@ -90,7 +90,7 @@ class TraceRecorder:
         return TracedRequest(None, prefix, (), len(result.token_ids), seed)
 
 
-def replay(engine: HFEngine, waves: list[list[TracedRequest]]) -> dict[str, float]:
+def replay(engine: Engine, waves: list[list[TracedRequest]]) -> dict[str, float]:
     """Run the traced tree search on ``engine``; prefixes are built from its own outputs."""
     sequences: list[tuple[int, ...]] = []
     prefill = cached = generated = 0
@@ -238,14 +238,27 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rollout_arguments(doc: str, out: str) -> argparse.ArgumentParser:
+    """The options of a tree-rollout benchmark (``out``: the default output folder)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=8, help="questions per rollout")
     parser.add_argument("--distractors", type=int, default=8, help="extra facts per observation")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (one per core)")
-    parser.add_argument("--out", default="benchmarks/results/rollout_prefix_cache")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per engine")
+    parser.add_argument("--out", default=out)
+    return parser
+
+
+def write_results(out: Path, results: dict, table: str) -> None:
+    """``results.json`` and ``results.md`` (``table``) under ``out``; prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(table)
+    print(table)
+
+
+def main() -> None:
+    args = rollout_arguments(__doc__, "benchmarks/results/rollout_prefix_cache").parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config("tiny-multihop", [])
     policy = str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart))
@@ -259,11 +272,7 @@ def main() -> None:
         "tiny": {**tiny, "summary": summarise(tiny["reps"])},
         "large": {**large, "summary": summarise(large["reps"])},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(Path(args.out), results, markdown(results))
 
 
 if __name__ == "__main__":
