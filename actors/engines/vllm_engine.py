@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from treegrpo_ray.actors.engines.prefix_cache import CacheStats
-from treegrpo_ray.config import VLLM_CPU_BLOCK_SIZE, VLLMConfig
+from treegrpo_ray.config import VLLM_CPU_BLOCK_SIZE, VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
 from treegrpo_ray.stops import StopStrings
 
@@ -98,6 +98,17 @@ MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
 # KV-cache pool of a CPU engine unless engine.vllm.kv_cache_gib says otherwise.
 VLLM_CPU_KV_CACHE_GIB = 1.0
+
+
+def vllm_runs_here() -> bool:
+    """Whether an installed vLLM build can run on this machine: the CPU build, or the CUDA build
+    with a GPU (what the vLLM-marked tests need)."""
+    build = installed_vllm_build()
+    if build == "cuda":
+        import torch
+
+        return torch.cuda.is_available()
+    return build == "cpu"
 
 
 def vllm_lora_rank(rank: int) -> int:

