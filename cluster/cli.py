@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         "saved config is used; --set train.steps=N extends it)",
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
+    model = sub.add_parser("model", help="pretrained models shipped in Python packages")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_sub.add_parser("prepare", help="convert a packaged model once; prints its path")
+    prepare.add_argument("name", help="packaged model name, e.g. smollm2-135m")
+    prepare.add_argument(
+        "--cache-dir", default=None, help="where prepared models live (~/.cache/treegrpo/models)"
+    )
     bench = sub.add_parser("bench", help="benchmark suites").add_subparsers(
         dest="suite", required=True
     )
@@ -66,6 +73,11 @@ def _run(args: argparse.Namespace) -> int:
         from treegrpo_ray.cluster.budget_suite import run_from_args
 
         return run_from_args(args)
+    if args.command == "model":
+        from treegrpo_ray.pretrained import DEFAULT_CACHE, prepare_model
+
+        print(prepare_model(args.name, args.cache_dir or DEFAULT_CACHE))
+        return 0
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0
