@@ -28,7 +28,7 @@ from treegrpo_ray.engine import (
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
 from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv
-from treegrpo_ray.modeling import load_policy, load_tokenizer
+from treegrpo_ray.modeling import PromptFormat, encode_prompt, load_policy, load_tokenizer
 from treegrpo_ray.planner import Expansion, TreePlanner
 from treegrpo_ray.stops import StopStrings
 from treegrpo_ray.tree import AgentStep, BatchInfo, Tree, batch_info, trees_to_arrow
@@ -75,6 +75,7 @@ class RolloutWorker:
         torch_threads: int = 1,
         search: SearchFn | None = None,
         lora: bool = False,
+        prompt_format: PromptFormat | None = None,
     ):
         torch.set_num_threads(torch_threads)
         self.engine = make_engine(model_path, engine or EngineConfig(), seed, lora)
@@ -83,6 +84,7 @@ class RolloutWorker:
         self.shape = tree.shape()
         self.sampling = sampling
         self.stops = StopStrings(self.env.stop_sequences, self.tokenizer.decode)
+        self.prompt_format = prompt_format or PromptFormat()
 
     def policy_version(self) -> int:
         return self.engine.version
@@ -123,16 +125,21 @@ class RolloutWorker:
 
     def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:
         """One chain per sample (greedy when ``temperature`` is 0); returns 1.0/0.0 success each."""
+        trees = self.evaluate_chains(samples, temperature, seed)
+        return [float(self.env.success(tree.nodes[-1].env_state)) for tree in trees]
+
+    def evaluate_chains(self, samples: list[Sample], temperature: float, seed: int) -> list[Tree]:
+        """One chain (a one-leaf tree) per sample, greedy when ``temperature`` is 0."""
         rng = random.Random(seed)
         trees = self._new_trees(tuple(enumerate(samples)), copies=1)
         self._complete(trees, TreePlanner(self.shape, rng).initial(trees), temperature, rng, {})
-        return [float(self.env.success(tree.nodes[-1].env_state)) for tree in trees]
+        return trees
 
     def _new_trees(self, groups: tuple[tuple[int, Sample], ...], copies: int) -> list[Tree]:
         trees = []
         for group_id, sample in groups:
             prompt, state = self.env.reset(sample)
-            prompt_ids = self.tokenizer.encode(prompt)  # with the tokenizer's BOS, if it has one
+            prompt_ids = encode_prompt(self.tokenizer, prompt, self.prompt_format)
             for j in range(copies):
                 tree_id = group_id * copies + j
                 trees.append(Tree(tree_id, group_id, prompt_ids, root_state=state))

@@ -45,6 +45,7 @@ class LocalRun:
             seed=cfg.train.seed,
             torch_threads=cfg.cluster.torch_threads,
             lora=cfg.model.lora.enabled,
+            prompt_format=cfg.model.prompt_format(),
         )
         self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0

@@ -94,6 +94,7 @@ class RolloutPool:
                 torch_threads=self.cfg.cluster.torch_threads,
                 search=self.search,
                 lora=self.cfg.model.lora.enabled,
+                prompt_format=self.cfg.model.prompt_format(),
             )
         )
         self.workers[worker_id] = PoolWorker(handle, 0, group)

