@@ -37,11 +37,13 @@ FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the r
 
 
 def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
-    """The policy directory: ``model.path`` (checked) or the cached warm-started tiny model."""
+    """The policy the workers load: ``model.path`` (checked on this node) or the cached
+    warm-started tiny model. A local directory comes back absolute; a Hugging Face Hub id comes
+    back as written, for each worker to resolve in its own node's cache (``resolve_policy_path``)."""
     if cfg.model.path is not None:
-        path = Path(cfg.model.path).expanduser()
-        check_policy_dir(path)
-        return str(path.resolve())
+        check_policy_dir(cfg.model.path)
+        local = Path(cfg.model.path).expanduser()
+        return str(local.resolve()) if local.is_dir() else cfg.model.path
     check_model_path(cfg.task.name, cfg.model.path)  # the tiny model reads multihop only
     return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
 
