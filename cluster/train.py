@@ -39,12 +39,14 @@ FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the r
 
 
 def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
-    """The policy directory: ``model.path`` (checked), the packaged pretrained model warm-started
-    on the protocol, or the warm-started tiny model (both prepared once, then cached)."""
+    """The policy the workers load: ``model.path`` (checked on this node), the packaged pretrained
+    model warm-started on the protocol, or the warm-started tiny model (both prepared once, then
+    cached). A local directory comes back absolute; a Hugging Face Hub id comes back as written,
+    for each worker to resolve in its own node's cache (``resolve_policy_path``)."""
     if cfg.model.path is not None:
-        path = Path(cfg.model.path).expanduser()
-        check_policy_dir(path)
-        return str(path.resolve())
+        check_policy_dir(cfg.model.path)
+        local = Path(cfg.model.path).expanduser()
+        return str(local.resolve()) if local.is_dir() else cfg.model.path
     if cfg.model.pretrained is not None:
         base = prepare_model(cfg.model.pretrained)
         if cfg.warmstart.steps == 0:

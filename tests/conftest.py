@@ -1,16 +1,21 @@
-"""Shared fixtures: a briefly warm-started tiny policy (built once per session), and a reader
-that blocks on a run's ``metrics.jsonl`` records as they are written."""
+"""Shared fixtures: a briefly warm-started tiny policy (built once per session), a tiny policy
+in a Hugging Face cache under a Hub id, and a reader that blocks on a run's ``metrics.jsonl``
+records as they are written."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from treegrpo_ray.config import JobConfig, load_config
+from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150
@@ -64,6 +69,47 @@ def tiny_policy(tiny_cfg) -> str:
     from treegrpo_ray.cluster.train import resolve_model_path
 
     return resolve_model_path(tiny_cfg, progress=False)
+
+
+class HubPolicy(NamedTuple):
+    """A policy stored in a Hugging Face cache under a Hub id."""
+
+    repo_id: str
+    cache: Path  # what HF_HUB_CACHE points at
+    snapshot: Path  # the directory the id resolves to
+
+
+def write_hub_snapshot(model_dir: Path, cache: Path, repo_id: str) -> Path:
+    """Store a ``save_pretrained`` directory in a Hugging Face cache as ``hf download`` lays it out:
+    ``models--Org--Name/blobs/<sha256>``, ``snapshots/<commit>/<file>`` symlinks to the blobs and
+    ``refs/main`` holding the commit. Returns the snapshot directory."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    commit = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in files:
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        (repo / "blobs" / blob).write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="session")
+def hub_policy(tmp_path_factory, tiny_cfg) -> HubPolicy:
+    """An untrained one-layer tiny multihop policy, cached as ``treegrpo-test/tiny-multihop``."""
+    root = tmp_path_factory.mktemp("hub")
+    model_dir = root / "model"
+    vocabulary = MultihopTask(tiny_cfg.task.multihop).vocabulary()
+    tokenizer = build_word_tokenizer(vocabulary, model_dir)
+    model = build_tiny_model(TinyModelConfig(num_layers=1), len(tokenizer), seed=0)
+    model.save_pretrained(str(model_dir))
+    repo_id = "treegrpo-test/tiny-multihop"
+    cache = root / "cache"
+    return HubPolicy(repo_id, cache, write_hub_snapshot(model_dir, cache, repo_id))
 
 
 @pytest.fixture

@@ -66,7 +66,9 @@ class LoraSettings(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(
         None,
-        description="A Hugging Face model directory (config.json, weights, tokenizer). "
+        description="A Hugging Face model: a directory (config.json, weights, tokenizer) or a "
+        "Hub id such as Qwen/Qwen2.5-3B-Instruct, found in the Hugging Face cache of every node "
+        "that loads it (downloaded there when missing, unless HF_HUB_OFFLINE=1). "
         "null builds the tiny model from `tiny` and warm-starts it on the task (cached).",
     )
     pretrained: Literal["smollm2-135m"] | None = Field(

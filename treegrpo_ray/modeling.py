@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, model_validator
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.hub import resolve_policy_path
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIAL_TOKENS = (PAD, UNK, EOS)  # ids 0, 1, 2
@@ -99,22 +100,19 @@ def build_tiny_model(
 
 
 def load_tokenizer(path: str | Path) -> transformers.PreTrainedTokenizerFast:
-    """The tokenizer saved in ``path``, exactly as its tokenizer.json describes it.
+    """The tokenizer saved in ``path`` (a directory or a Hub id, see ``resolve_policy_path``),
+    exactly as its tokenizer.json describes it.
 
     Unlike ``AutoTokenizer``, never swaps in the model type's own tokenizer class (see the module
     docstring); real checkpoints that ship a tokenizer.json (Qwen2.5, Llama 3) load the same way.
     """
-    return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    return transformers.PreTrainedTokenizerFast.from_pretrained(str(resolve_policy_path(path)))
 
 
 def check_policy_dir(path: str | Path) -> None:
-    """Cheap checks of a policy directory without loading weights (see ``load_policy``)."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise UserInputError(
-            f"model.path: policy directory {path} does not exist; point model.path at a directory "
-            "written by save_pretrained, or set model.path=null to warm-start the tiny model"
-        )
+    """Cheap checks of a policy directory or Hub id without loading weights (see
+    ``load_policy``); resolves a Hub id on this node (``resolve_policy_path``)."""
+    path = resolve_policy_path(path)
     if not (path / "config.json").is_file():
         raise UserInputError(
             f"model.path: {path} has no config.json; it must hold a model saved with "
@@ -137,13 +135,15 @@ def check_policy_dir(path: str | Path) -> None:
 def load_policy(
     path: str | Path,
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory (fp32).
+    """Load ``(model, tokenizer)`` from a ``save_pretrained`` directory or a Hugging Face Hub id
+    resolved in this node's cache (``resolve_policy_path``), in fp32.
 
-    Raises UserInputError (via ``check_policy_dir``) when the directory or its config.json is
-    missing, or when the tokenizer has more tokens than the model has embedding rows.
+    Raises UserInputError when neither a directory nor a Hub id this node can fetch, when
+    config.json or tokenizer.json is missing, or when the tokenizer has more tokens than the
+    model has embedding rows (``check_policy_dir``).
     """
+    path = resolve_policy_path(path)
     check_policy_dir(path)
-    path = Path(path).expanduser()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model, load_tokenizer(path)
 

@@ -89,6 +89,7 @@ from typing import Any
 from treegrpo_ray.actors.engines.prefix_cache import CacheStats
 from treegrpo_ray.config import VLLM_CPU_BLOCK_SIZE, VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
+from treegrpo_ray.hub import resolve_policy_path
 from treegrpo_ray.stops import StopStrings
 
 # config/lora.py MaxLoRARanks: the only ranks vLLM 0.33 accepts for max_lora_rank.
@@ -337,11 +338,12 @@ def engine_kwargs(
 class VLLMEngine:
     """The Engine protocol on an in-process ``vllm.LLM`` (one GPU, or tensor-parallel over Ray).
 
-    model_path: HF model directory; settings: the ``engine.vllm`` config section; seed: vLLM's
-    engine seed (requests without their own seed draw from it); prefix_cache: the run's
-    ``engine.prefix_cache`` (automatic prefix caching is on only if this and
-    ``settings.enable_prefix_caching`` are); enable_lora: accept ``LoraPayload`` updates (vLLM must
-    know at start-up).
+    model_path: HF model directory or Hub id (resolved in this node's Hugging Face cache, as by
+    every loader: ``treegrpo_ray.hub.resolve_policy_path``); settings: the ``engine.vllm`` config
+    section; seed: vLLM's engine seed (requests without their own seed draw from it);
+    prefix_cache: the run's ``engine.prefix_cache`` (automatic prefix caching is on only if this
+    and ``settings.enable_prefix_caching`` are); enable_lora: accept ``LoraPayload`` updates (vLLM
+    must know at start-up).
     """
 
     def __init__(
@@ -357,7 +359,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(
-            model=model_path,
+            model=str(resolve_policy_path(model_path)),
             **engine_kwargs(
                 settings, seed=seed, prefix_cache=prefix_cache, enable_lora=enable_lora
             ),

@@ -337,3 +337,20 @@ def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, ti
         torch.testing.assert_close(
             torch.tensor(got_result.logprobs), torch.tensor(want_result.logprobs), atol=1e-5, rtol=0
         )
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_runs_here(), reason="needs vLLM (see ENGINES)")
+def test_the_vllm_engine_loads_a_hub_id_from_its_node_cache(engine_hosts, hub_policy):
+    # The engine's process sees hub_policy.cache as its node's offline Hugging Face cache; this
+    # process's cache does not hold the id.
+    env = {"HF_HUB_CACHE": str(hub_policy.cache), "HF_HUB_OFFLINE": "1"}
+    host = ray.remote(EngineHost).options(num_cpus=0, runtime_env={"env_vars": env}).remote()
+    engine_hosts.append(host)
+    engine = _vllm(hub_policy.repo_id, False, host)
+    tokenizer = load_tokenizer(hub_policy.snapshot)
+    reference, _ = load_policy(hub_policy.snapshot)
+    prefixes = [tokenizer.encode(OBSERVATION + q, add_special_tokens=False) for q in QUESTIONS]
+    for prefix, result in zip(prefixes, engine.generate(_requests(prefixes, 1.0)), strict=True):
+        expected = reference_logprobs(reference, prefix, result.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)

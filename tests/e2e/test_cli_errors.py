@@ -1,10 +1,13 @@
 """Bad input at the command line: one line naming the problem and the fix, exit code 2."""
 
+import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
+from huggingface_hub import constants
 
 from treegrpo_ray.cluster.cli import main
 
@@ -67,6 +70,54 @@ def test_missing_model_directory(treegrpo, tmp_path):
         "train", "tiny-multihop", "--set", f"model.path={missing}", *_fresh_output(tmp_path)
     )
     _assert_one_line_error(result, str(missing), "does not exist")
+
+
+def test_a_hub_id_missing_offline_makes_no_network_attempt(tmp_path):
+    """HF_HUB_OFFLINE=1 and HF_HUB_CACHE as a user sets them, in a real process: one line naming
+    the node's cache and both fixes; the Hub endpoint (a socket listening here) sees no
+    connection."""
+    with socket.create_server(("127.0.0.1", 0)) as hub:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_CACHE": str(tmp_path / "hf"),
+            "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}",
+        }
+        result = subprocess.run(
+            [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop",
+             "--set", "model.path=Nobody/missing-model", *_fresh_output(tmp_path)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        hub.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no connection waits to be accepted
+            hub.accept()
+    _assert_one_line_error(
+        result,
+        "model.path: Nobody/missing-model has no complete snapshot in the Hugging Face cache",
+        f"({tmp_path / 'hf'}) and HF_HUB_OFFLINE is set",
+        "hf download Nobody/missing-model",
+        "point model.path at a local model directory",
+    )
+
+
+def test_a_hub_id_the_hub_cannot_serve(treegrpo, tmp_path, monkeypatch):
+    # Online, with the Hub's endpoint at a closed local port (what HF_ENDPOINT sets at import):
+    # the download is refused at once.
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "model.path=Nobody/missing-model",
+        *_fresh_output(tmp_path),
+    )  # fmt: skip
+    _assert_one_line_error(
+        result,
+        f"({tmp_path / 'hf'}) and could not be downloaded (ConnectError: ",
+        "hf download Nobody/missing-model",
+        "point model.path at a local model directory",
+    )
 
 
 @pytest.mark.parametrize("bad", ["train.steps=0", "sampling.top_p=1.5", "ppo.advantage=grpo"])

@@ -115,8 +115,8 @@ def test_the_rayjob_entrypoint_runs_from_the_image_file_set(installed, tmp_path)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stderr.strip() == (
         "treegrpo: error: model.path: policy directory /models/Qwen2.5-3B-Instruct does not "
-        "exist; point model.path at a directory written by save_pretrained, or set "
-        "model.path=null to warm-start the tiny model"
+        "exist; point model.path at a directory written by save_pretrained or a Hugging Face Hub "
+        "id (Org/Name), or set model.path=null to warm-start the tiny model"
     )
 
 

@@ -137,8 +137,9 @@ def check_model_path(task_name: str, model_path: str | None) -> None:
     if task_name == "search_qa" and model_path is None:
         raise UserInputError(
             "task.name search_qa needs a Hugging Face model: set model.path (e.g. "
-            "/models/Qwen2.5-3B) or model.pretrained=smollm2-135m; the tiny model built when "
-            "both are null is word-level and only supports the multihop task"
+            "/models/Qwen2.5-3B, or a Hub id such as Qwen/Qwen2.5-3B) or "
+            "model.pretrained=smollm2-135m; the tiny model built when both are null is "
+            "word-level and only supports the multihop task"
         )
 
 
