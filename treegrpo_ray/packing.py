@@ -115,7 +115,8 @@ class PackedBatch:
     tokens. A tree over the budget is split into pieces, each a span like a tree's that holds
     some of its nodes plus, as context, the prompt and those of their ancestors it does not
     train; context tokens carry no loss (``loss_mask`` 0, ``token_node`` -1), so every node's
-    loss tokens appear exactly once in the batch. Rows are right-padded with ``pad_token_id`` to the longest row (at most the budget).
+    loss tokens appear exactly once in the batch. Rows are right-padded with ``pad_token_id`` to
+    the longest row (at most the budget).
     A token is indexed by its own position t: ``prev_index[t]`` is where the token before it on
     its root-to-leaf path sits, so the logits at ``prev_index[t]`` predict token t. For the first
     token of a node that is the last token of its parent (or of the prompt), not t - 1.
