@@ -2,11 +2,11 @@
 
 Every rank holds the whole batch of trees (rank 0 pulls it from the queue and broadcasts it), so
 advantages, routing and the token-mean denominator are computed on the whole batch, identically on
-every rank. The packed rows of a minibatch (whole trees, never split) are dealt to the ranks
-balanced by token count; each rank forwards and back-propagates its own rows, then the gradients
-are summed over the ranks before clipping and the optimizer step, which every rank takes alike.
-Gradients are summed explicitly rather than through DDP, which averages them: the per-row losses
-are already divided by the whole batch's token count.
+every rank. The packed rows of a minibatch (whole trees, or the pieces of a tree over the budget)
+are dealt to the ranks balanced by token count; each rank forwards and back-propagates its own
+rows, then the gradients are summed over the ranks before clipping and the optimizer step, which
+every rank takes alike. Gradients are summed explicitly rather than through DDP, which averages
+them: the per-row losses are already divided by the whole batch's token count.
 """
 
 from __future__ import annotations

@@ -141,8 +141,9 @@ class Learner:
     ``ppo.advantage``: ``tree`` (intra + inter, paper) or ``chain`` (prompt-level GRPO over all
     leaves).
     Each optimizer step takes one minibatch of whole trees, packed into rows of at most
-    ``ppo.micro_batch_tokens`` tokens; every row is one forward and backward, its loss divided by
-    the minibatch's token count, so the accumulated gradient is the full-minibatch one. Trees are
+    ``ppo.micro_batch_tokens`` tokens (a larger tree split by subtree, ``packing.pack_trees``);
+    every row is one forward and backward, its loss divided by the minibatch's token count, so
+    the accumulated gradient is the full-minibatch one. Trees are
     split into ``ppo.minibatches`` minibatches once per update; each epoch visits them in a new
     order. With one minibatch, ``paper`` mode gives exactly the path-expanded update.
     """
@@ -283,9 +284,13 @@ class Learner:
         self._count_nonfinite(metrics)
         self.version += 1
         metrics["learner/policy_version"] = float(self.version)
-        # each row is forwarded without its padding: every unique token once per forward
-        metrics["learner/tokens"] = float(sum(b.token_mask.sum() for b in batches))
-        metrics["learner/tokens_forwarded"] = metrics["learner/tokens"]
+        # each row is forwarded without its padding: every unique token once per forward, plus
+        # the context repeated in the pieces of trees over ppo.micro_batch_tokens
+        forwarded = float(sum(b.token_mask.sum() for b in batches))
+        metrics["learner/split_trees"] = float(sum(b.split_trees for b in batches))
+        metrics["learner/split_extra_tokens"] = float(sum(b.split_extra_tokens for b in batches))
+        metrics["learner/tokens"] = forwarded - metrics["learner/split_extra_tokens"]
+        metrics["learner/tokens_forwarded"] = forwarded
         metrics["learner/path_tokens"] = float(sum(b.path_tokens for b in batches))
         metrics["learner/advantage_abs_mean"] = float(advantages.abs().mean())
         return metrics

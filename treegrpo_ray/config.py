@@ -363,9 +363,11 @@ class PPOConfig(_Section):
     micro_batch_tokens: int = Field(
         1024,
         gt=0,
-        description="Most unique tokens in one packed row (one forward + backward); whole trees "
-        "only, so at least the largest tree's token count. Attention in a row costs its length "
-        "squared, trees in one row included: on CPU, rows of one or two trees are fastest.",
+        description="Most tokens in one packed row (one forward + backward). A tree larger than "
+        "this is split by subtree, each piece repeating the prompt and ancestor tokens it needs "
+        "as context (learner/split_extra_tokens); it must be at least the longest root-to-leaf "
+        "path. Attention in a row costs its length squared, trees in one row included: on CPU, "
+        "rows of one or two trees are fastest.",
     )
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
 

@@ -6,7 +6,9 @@ tokens only. Shared prefixes are repeated once per leaf below them.
 
 ``pack_trees`` is the layout the learner trains on: each unique token once, whole trees packed into
 rows of at most ``micro_batch_tokens`` tokens, with a tree attention mask and path position ids
-so that every token sees exactly the context it has on its own path.
+so that every token sees exactly the context it has on its own path. A tree larger than the
+budget is split by subtree into pieces that repeat, as loss-free context, the prompt and the
+ancestor tokens their nodes need: only those repeated tokens are forwarded more than once.
 
 How the mask reaches the model (checked in transformers 5.20.2): ``create_causal_mask`` in
 ``masking_utils`` returns a 4D ``attention_mask`` unchanged ("already prepared, or custom"), and
@@ -23,6 +25,7 @@ sliding-window layers, so models with sliding-window attention would lose their 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -104,12 +107,16 @@ def expand_paths(trees: list[Tree], pad_token_id: int) -> PathBatch:
 
 @dataclass
 class PackedBatch:
-    """Trees packed into R rows of width T, each unique token once; each row is one micro-batch,
-    forwarded without its padding.
+    """Trees packed into R rows of width T, each unique token once (but the context of split
+    trees); each row is one micro-batch, forwarded without its padding.
 
     Within a row every tree lies in one contiguous span: its prompt, then its nodes in creation
     order (a parent before its children), each node's action tokens followed by its observation
-    tokens; rows are right-padded with ``pad_token_id`` to the longest row (at most the budget).
+    tokens. A tree over the budget is split into pieces, each a span like a tree's that holds
+    some of its nodes plus, as context, the prompt and those of their ancestors it does not
+    train; context tokens carry no loss (``loss_mask`` 0, ``token_node`` -1), so every node's
+    loss tokens appear exactly once in the batch. Rows are right-padded with ``pad_token_id`` to
+    the longest row (at most the budget).
     A token is indexed by its own position t: ``prev_index[t]`` is where the token before it on
     its root-to-leaf path sits, so the logits at ``prev_index[t]`` predict token t. For the first
     token of a node that is the last token of its parent (or of the prompt), not t - 1.
@@ -125,13 +132,15 @@ class PackedBatch:
     loss_mask: (R, T) float, 1 on action tokens.
     behaviour_logprobs: (R, T) float, the engine's log-prob of each action token (0 elsewhere).
     token_node: (R, T) long, the token's node as an index into the batch's nodes (trees in
-        order, then node ids), -1 on prompt and padding tokens.
+        order, then node ids), -1 on prompt, context and padding tokens.
     node_leaves: (N, L) float, 1 where leaf l is node n or lies below it.
     node_depths: (N,) long, each node's ``AgentStep.depth``; node_versions: (N,) long, the policy
         version that generated it; node_roles: N role names.
     rewards, tree_ids, group_ids, policy_version, leaf_depths: (L,) per leaf, in the order of
         ``expand_paths``.
     path_tokens: tokens path expansion would forward: the sum of the path lengths (no padding).
+    split_trees: trees split into pieces; split_extra_tokens: tokens forwarded beyond the unique
+        ones, the prompts and ancestor nodes repeated as context in the pieces.
     """
 
     input_ids: torch.Tensor
@@ -152,6 +161,8 @@ class PackedBatch:
     policy_version: torch.Tensor
     leaf_depths: torch.Tensor
     path_tokens: int
+    split_trees: int
+    split_extra_tokens: int
 
     def stale_actions(self, version: int) -> torch.Tensor:
         """(R, T) bool: action tokens sampled by a policy older than ``version``."""
@@ -192,11 +203,13 @@ class PackedBatch:
 
 @dataclass
 class _TreeTokens:
-    """One tree's unique tokens in packing order, with tree-local indices.
+    """One tree's unique tokens, or one piece of a split tree, in packing order, with tree-local
+    indices.
 
     ``prev`` holds tree-local positions; ``segment`` is 0 on the prompt and node_id + 1 on a
     node's tokens; ``visible[s, s']`` says segment s may attend to segment s' (s' is the prompt,
-    an ancestor of s or s itself).
+    an ancestor of s or s itself). ``node`` is the node id on the tokens of the nodes this layout
+    trains (loss tokens), -1 on the prompt and on context nodes (ancestors repeated in a piece).
     """
 
     ids: list[int]
@@ -205,11 +218,19 @@ class _TreeTokens:
     is_action: list[float]
     logprobs: list[float]
     segment: list[int]
+    node: list[int]
     visible: torch.Tensor
 
 
-def _tree_tokens(tree: Tree) -> _TreeTokens:
-    """Lay out one tree: prompt, then every node's action + observation tokens."""
+def _tree_tokens(
+    tree: Tree, nodes: list[int] | None = None, context: frozenset[int] = frozenset()
+) -> _TreeTokens:
+    """Lay out one tree: prompt, then every node's action + observation tokens in creation order.
+
+    ``nodes`` (creation order, closed under ancestors) lays out only those nodes (a piece of a
+    split tree); of them, the ``context`` nodes are there only for the others to attend to: their
+    tokens carry no loss (``is_action`` 0, ``node`` -1).
+    """
     if not tree.prompt_ids:
         raise ValueError(
             f"tree {tree.tree_id} has an empty prompt; nothing predicts its first action"
@@ -222,24 +243,117 @@ def _tree_tokens(tree: Tree) -> _TreeTokens:
         is_action=[0.0] * prompt,
         logprobs=[0.0] * prompt,
         segment=[0] * prompt,
+        node=[-1] * prompt,
         visible=torch.eye(len(tree.nodes) + 1, dtype=torch.bool),
     )
     out.visible[:, 0] = True
     last = {ROOT: prompt - 1}  # tree-local position of the last token up to and including a node
     path_length = {ROOT: prompt}
-    for node in tree.nodes:
+    for node in tree.nodes if nodes is None else [tree.node(n) for n in nodes]:
         start, first_pos = len(out.ids), path_length[node.parent_id]
         tokens = node.action_ids + node.obs_ids
+        trained = node.node_id not in context
         out.ids += tokens
         out.positions += range(first_pos, first_pos + len(tokens))
         out.prev += [last[node.parent_id], *range(start, start + len(tokens) - 1)][: len(tokens)]
-        out.is_action += [1.0] * len(node.action_ids) + [0.0] * len(node.obs_ids)
-        out.logprobs += list(node.action_logprobs) + [0.0] * len(node.obs_ids)
+        out.is_action += [float(trained)] * len(node.action_ids) + [0.0] * len(node.obs_ids)
+        out.logprobs += (
+            list(node.action_logprobs) if trained else [0.0] * len(node.action_ids)
+        ) + [0.0] * len(node.obs_ids)
         out.segment += [node.node_id + 1] * len(tokens)
+        out.node += [node.node_id if trained else -1] * len(tokens)
         last[node.node_id] = start + len(tokens) - 1 if tokens else last[node.parent_id]
         path_length[node.node_id] = first_pos + len(tokens)
         if node.parent_id != ROOT:
             out.visible[node.node_id + 1] |= out.visible[node.parent_id + 1]
+    return out
+
+
+def _path_lengths(tree: Tree) -> list[int]:
+    """Per node: the tokens of its root-to-node path, prompt included."""
+    lengths: list[int] = []
+    for node in tree.nodes:
+        before = len(tree.prompt_ids) if node.parent_id == ROOT else lengths[node.parent_id]
+        lengths.append(before + node.token_count)
+    return lengths
+
+
+def _units(tree: Tree, budget: int) -> list[list[int]]:
+    """The nodes of a tree over ``budget`` cut into units, in depth-first order: a child of the
+    root or of a cut node whose whole subtree fits in ``budget`` with its path above is one unit
+    (the subtree's nodes); one that does not is cut: it is a unit alone and its children are cut
+    into units in turn. A unit's first node is its top; every unit is at most ``budget`` tokens
+    with its path above, given that no path is longer than ``budget``."""
+    children: dict[int, list[int]] = {ROOT: []}
+    subtree = [node.token_count for node in tree.nodes]
+    for node in tree.nodes:
+        children[node.node_id] = []
+        children[node.parent_id].append(node.node_id)
+    for node in reversed(tree.nodes):
+        if node.parent_id != ROOT:
+            subtree[node.parent_id] += subtree[node.node_id]
+    lengths = _path_lengths(tree)
+
+    def below(top: int) -> list[int]:
+        return [top] + [n for child in children[top] for n in below(child)]
+
+    def cut(parent: int) -> list[list[int]]:
+        units = []
+        for child in children[parent]:
+            above = lengths[child] - tree.node(child).token_count  # prompt + ancestors
+            if above + subtree[child] <= budget:
+                units.append(below(child))
+            else:
+                units += [[child], *cut(child)]
+        return units
+
+    return cut(ROOT)
+
+
+def _split_tree(tree: Tree, budget: int) -> list[tuple[list[int], frozenset[int]]]:
+    """Pieces of a tree over ``budget``, each at most ``budget`` tokens with its context: the
+    units (``_units``), in depth-first order, each into the first piece it fits in; a unit costs
+    its own tokens plus those of its ancestors the piece does not hold yet, which join the piece
+    as context. Returns per piece its nodes (creation order) and its context nodes."""
+    tokens = [node.token_count for node in tree.nodes]
+
+    def size(nodes: set[int]) -> int:
+        return len(tree.prompt_ids) + sum(tokens[n] for n in nodes)
+
+    pieces: list[tuple[set[int], set[int]]] = []  # per piece: its nodes, its context nodes
+    for unit in _units(tree, budget):
+        above = {node.node_id for node in tree.path(unit[0])[:-1]}
+        fits = [piece for piece in pieces if size(piece[0] | above | set(unit)) <= budget]
+        if not fits:
+            pieces.append((set(), set()))
+        nodes, context = fits[0] if fits else pieces[-1]
+        context |= above - nodes
+        nodes |= above | set(unit)
+    return [(sorted(nodes), frozenset(context)) for nodes, context in pieces]
+
+
+def _lay_out(trees: list[Tree], budget: int) -> list[tuple[int, _TreeTokens]]:
+    """(tree index, layout) of every tree that fits in ``budget`` whole, and of every piece of
+    each one that does not (``_split_tree``), trees in order.
+
+    Raises UserInputError when a root-to-leaf path alone exceeds ``budget``: a path is never
+    split or truncated, so ``budget`` must be at least the longest path.
+    """
+    lengths = [max(_path_lengths(tree), default=len(tree.prompt_ids)) for tree in trees]
+    longest = max(range(len(trees)), key=lambda i: lengths[i])
+    if lengths[longest] > budget:
+        raise UserInputError(
+            f"tree {trees[longest].tree_id} has a root-to-leaf path of {lengths[longest]} tokens "
+            f"but ppo.micro_batch_tokens is {budget}; a path is never split or truncated, so "
+            f"raise ppo.micro_batch_tokens to at least {lengths[longest]} or shorten the episodes"
+        )
+    out: list[tuple[int, _TreeTokens]] = []
+    for i, tree in enumerate(trees):
+        whole = _tree_tokens(tree)
+        if len(whole.ids) <= budget:
+            out.append((i, whole))
+        else:
+            out += [(i, _tree_tokens(tree, *piece)) for piece in _split_tree(tree, budget)]
     return out
 
 
@@ -264,24 +378,21 @@ def _assign_rows(sizes: list[int], budget: int) -> list[list[int]]:
 
 
 def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) -> PackedBatch:
-    """Pack whole trees into rows of at most ``micro_batch_tokens`` unique tokens.
+    """Pack trees into rows of at most ``micro_batch_tokens`` tokens.
 
-    Raises ValueError for a tree that alone exceeds the budget (trees are never split or
-    truncated): raise ``micro_batch_tokens`` or shorten the episodes.
+    A tree that fits is packed whole. A tree that does not is split by subtree into pieces
+    (``_split_tree``); each piece repeats the prompt and the ancestor nodes its nodes need as
+    context, with no loss on them, so every node's loss tokens are still counted exactly once and
+    the loss equals the unsplit tree's. Raises UserInputError when a root-to-leaf path alone
+    exceeds the budget (``_lay_out``).
     """
-    laid_out = [_tree_tokens(tree) for tree in trees]
-    for tree, tokens in zip(trees, laid_out, strict=True):
-        if len(tokens.ids) > micro_batch_tokens:
-            raise UserInputError(
-                f"tree {tree.tree_id} has {len(tokens.ids)} tokens but ppo.micro_batch_tokens is "
-                f"{micro_batch_tokens}; a tree is never split or truncated, so raise "
-                "ppo.micro_batch_tokens to at least the largest tree"
-            )
-    rows = _assign_rows([len(t.ids) for t in laid_out], micro_batch_tokens)
+    laid_out = _lay_out(trees, micro_batch_tokens)
+    rows = _assign_rows([len(t.ids) for _, t in laid_out], micro_batch_tokens)
     node_offset = [0]
     for tree in trees:
         node_offset.append(node_offset[-1] + len(tree.nodes))
-    width = max(sum(len(laid_out[i].ids) for i in row) for row in rows)
+    unique = sum(len(tree.prompt_ids) + sum(n.token_count for n in tree.nodes) for tree in trees)
+    width = max(sum(len(laid_out[i][1].ids) for i in row) for row in rows)
     shape = (len(rows), width)
     batch = PackedBatch(
         input_ids=torch.full(shape, pad_token_id, dtype=torch.long),
@@ -292,13 +403,16 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
         loss_mask=torch.zeros(shape),
         behaviour_logprobs=torch.zeros(shape),
         token_node=torch.full(shape, -1, dtype=torch.long),
+        split_trees=sum(count > 1 for count in Counter(i for i, _ in laid_out).values()),
+        split_extra_tokens=sum(len(t.ids) for _, t in laid_out) - unique,
         **_leaf_fields(trees),
     )
     for r, row in enumerate(rows):
         start = 0
-        for i in row:
-            tokens, span = laid_out[i], slice(start, start + len(laid_out[i].ids))
-            segment = torch.tensor(tokens.segment)
+        for item in row:
+            i, tokens = laid_out[item]
+            span = slice(start, start + len(tokens.ids))
+            segment, node = torch.tensor(tokens.segment), torch.tensor(tokens.node)
             batch.input_ids[r, span] = torch.tensor(tokens.ids)
             batch.position_ids[r, span] = torch.tensor(tokens.positions)
             batch.token_mask[r, span] = 1
@@ -308,7 +422,7 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
             batch.prev_index[r, span] = torch.tensor(tokens.prev) + start
             batch.loss_mask[r, span] = torch.tensor(tokens.is_action)
             batch.behaviour_logprobs[r, span] = torch.tensor(tokens.logprobs)
-            batch.token_node[r, span] = torch.where(segment > 0, segment - 1 + node_offset[i], -1)
+            batch.token_node[r, span] = torch.where(node >= 0, node + node_offset[i], -1)
             start = span.stop
     return batch
 

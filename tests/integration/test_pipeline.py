@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,10 +180,32 @@ def _same_tensors(a, b):
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_a_tree_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, tmp_path, capsys):
+def test_trees_over_the_token_budget_are_split_and_trained(make_cfg, tiny_policy):
+    # The step's four trees hold 60, 60, 138 and 208 tokens and their longest path 80 (measured
+    # on the tests' warm start): a budget of 100 splits the two large trees.
+    cfg = make_cfg(
+        "name=split-trees",
+        "ppo.micro_batch_tokens=100",
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "train.final_eval_questions=8",
+    )
+    summary = train(cfg, progress=False)
+
+    assert summary["steps"] == 1
+    (record,) = _read_records(cfg.run_dir)
+    assert record["learner/split_trees"] > 0 and record["learner/split_extra_tokens"] > 0
+    assert record["learner/tokens_forwarded"] == (
+        record["learner/tokens"] + record["learner/split_extra_tokens"]
+    )
+    assert record["learner/skipped_updates"] == 0
+    assert not _same_tensors(Path(tiny_policy), cfg.run_dir / "checkpoint-final")
+
+
+def test_a_path_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, tmp_path, capsys):
     cfg = make_cfg(
         "name=over-budget",
-        "ppo.micro_batch_tokens=32",  # smaller than any tree of this task
+        "ppo.micro_batch_tokens=32",  # shorter than any root-to-leaf path of this task
         "train.steps=1",
         "train.prompts_per_step=2",
         "train.final_eval_questions=8",
@@ -196,7 +219,9 @@ def test_a_tree_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, 
 
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert message.startswith("treegrpo: training stopped: tree ")
-    assert "ppo.micro_batch_tokens is 32" in message and "treegrpo train --resume" in message
+    assert "has a root-to-leaf path of " in message and "ppo.micro_batch_tokens is 32" in message
+    assert "raise ppo.micro_batch_tokens to at least " in message
+    assert "treegrpo train --resume" in message
     assert (cfg.run_dir / "checkpoint-last-good" / "model.safetensors").is_file()
     assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == "step-000000"
     # What the message proposes is a valid resume (test_resume_... runs one end to end).

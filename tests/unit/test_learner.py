@@ -33,21 +33,32 @@ def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, tiny
 
 
 def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
-    """Rows of a few trees with gradient accumulation give the gradient of one big row."""
+    """Rows of a few trees with gradient accumulation, or trees split over rows, give the loss
+    and the gradient of one big row."""
     trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    longest = max(len(t.prefix_ids(leaf.node_id)) for t in trees for leaf in t.leaves())
+    budgets = (4096, 400, longest)  # a tree of this preset has at most ~350 tokens
     results = []
-    for budget in (4096, 400):  # a tree of this preset has at most ~350 tokens
+    for budget in budgets:
         ppo = tiny_cfg.ppo.model_copy(update={"micro_batch_tokens": budget})
         learner = Learner(tiny_policy, ppo, temperature=1.0)
         metrics = learner.update(trees)
         results.append((metrics, {k: v.grad for k, v in learner.model.named_parameters()}))
-    (big, big_grads), (small, small_grads) = results
     pad = learner.tokenizer.pad_token_id
-    rows = {budget: pack_trees(trees, budget, pad).num_rows for budget in (4096, 400)}
-    assert rows[4096] == 1 and rows[400] >= 3  # the small budget spreads the trees over rows
-    assert small["learner/loss"] == pytest.approx(big["learner/loss"], abs=1e-5)
-    for name, grad in big_grads.items():
-        torch.testing.assert_close(small_grads[name], grad, atol=1e-5, rtol=0, msg=name)
+    rows = [pack_trees(trees, budget, pad).num_rows for budget in budgets]
+    assert rows[0] == 1 and rows[1] >= 3  # the small budget spreads the trees over rows
+    (big, big_grads), (small, small_grads), (split, split_grads) = results
+    assert small["learner/split_trees"] == 0 and split["learner/split_trees"] > 0
+    # the pieces repeat prompts and shared ancestors; the unique tokens are the same
+    assert split["learner/tokens"] == big["learner/tokens"] == big["learner/tokens_forwarded"]
+    assert split["learner/tokens_forwarded"] == (
+        big["learner/tokens"] + split["learner/split_extra_tokens"]
+    )
+    assert split["learner/split_extra_tokens"] > 0
+    for metrics, grads in ((small, small_grads), (split, split_grads)):
+        assert metrics["learner/loss"] == pytest.approx(big["learner/loss"], abs=1e-5)
+        for name, grad in big_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -158,20 +158,100 @@ def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
     assert int((batch.tree_mask & ~pad[:, :, None]).sum()) == alone
 
 
-def test_a_tree_over_the_token_budget_is_rejected_with_its_sizes():
-    with pytest.raises(ValueError, match="tree 0 has 8 tokens but ppo.micro_batch_tokens is 7"):
-        pack_trees([_hand_tree()], micro_batch_tokens=7, pad_token_id=0)
+def _longest_path(trees):
+    return max(len(tree.prefix_ids(leaf.node_id)) for tree in trees for leaf in tree.leaves())
+
+
+def _unique_tokens(trees):
+    return sum(len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees)
+
+
+def test_a_tree_over_the_budget_is_split_by_subtree_with_its_ancestors_as_context():
+    # layout whole: [1, 2 | 3, 4, 5 (a) | 6 (b) | 7, 8 (c) | 9 (d)], 9 tokens; budget 6.
+    # a's subtree (a, b, d) with the prompt is 7 > 6: a is cut. Units, depth first, with the
+    # tokens above them: a (2), b (2 + 3 = 5), d (5), c (2). First fit: a, b -> piece 1
+    # (2 + 3 + 1 = 6); d: piece 1 would be 7 -> piece 2 = prompt + a as context + d = 6;
+    # c: 8 in piece 1, 8 in piece 2 -> piece 3 = prompt + c = 4.
+    batch = pack_trees([_hand_tree_with_two_leaves_under_a()], micro_batch_tokens=6, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9], [1, 2, 7, 8, 0, 0]]
+    # a's tokens carry the loss in row 0 only; in row 1 they are context, like the prompt
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 1], [0, 0, 1, 1, 0, 0]]
+    assert batch.token_node.tolist() == [
+        [-1, -1, 0, 0, 0, 1],
+        [-1, -1, -1, -1, -1, 3],
+        [-1, -1, 2, 2, -1, -1],
+    ]
+    torch.testing.assert_close(batch.behaviour_logprobs[1], torch.tensor([0, 0, 0, 0, 0, -0.6]))
+    assert batch.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3, 0, 0],
+    ]
+    # d (row 1, t = 5) is predicted from a's last token 5 (t = 4), as on its path
+    assert batch.prev_index.tolist() == [[0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 4, 5]]
+    assert batch.tree_mask[1].int().tolist() == torch.ones(6, 6).tril().int().tolist()
+    # repeated: the prompt twice (rows 1 and 2) and a once (row 1): 2 + 2 + 3 = 7 tokens
+    assert (batch.split_trees, batch.split_extra_tokens) == (1, 7)
+    assert int(batch.token_mask.sum()) == 9 + 7
+
+
+def test_a_path_over_the_budget_is_rejected_with_the_budget_it_needs():
+    # the path prompt -> a -> b is [1, 2, 3, 4, 5, 6]: 6 tokens
+    with pytest.raises(
+        ValueError,
+        match="tree 0 has a root-to-leaf path of 6 tokens but ppo.micro_batch_tokens is 5; .* "
+        "raise ppo.micro_batch_tokens to at least 6",
+    ):
+        pack_trees([_hand_tree()], micro_batch_tokens=5, pad_token_id=0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_trees_train_each_node_once_and_trees_that_fit_stay_whole(seed):
+    rng = random.Random(seed)
+    trees = _forest(seed, trees=5, depth=rng.randint(2, 5), branches=rng.randint(1, 5))
+    sizes = [len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees]
+    budget = rng.randint(_longest_path(trees), max(sizes) - 1)
+    batch = pack_trees(trees, micro_batch_tokens=budget, pad_token_id=0)
+    split = [size > budget for size in sizes]
+    assert batch.input_ids.shape[1] <= budget and batch.split_trees == sum(split) > 0
+    assert int(batch.token_mask.sum()) == _unique_tokens(trees) + batch.split_extra_tokens
+    # every action token carries the loss exactly once, on its own node
+    actions = torch.tensor([len(n.action_ids) for t in trees for n in t.nodes])
+    trained = batch.token_node[batch.loss_mask.bool()]
+    assert torch.equal(torch.bincount(trained, minlength=len(actions)), actions)
+    # a tree that fits lies whole in one span of one row, laid out as when packed alone
+    first_node = 0
+    for tree, size, is_split in zip(trees, sizes, split, strict=True):
+        on_tree = (batch.token_node >= first_node) & (
+            batch.token_node < first_node + len(tree.nodes)
+        )
+        first_node += len(tree.nodes)
+        if is_split:
+            continue
+        (row,), ts = on_tree.any(1).nonzero()[:, 0].tolist(), on_tree.nonzero()[:, 1].tolist()
+        assert len(ts) == size - len(tree.prompt_ids) == ts[-1] + 1 - ts[0]  # contiguous
+        start = ts[0] - len(tree.prompt_ids)
+        span = slice(start, start + size)
+        alone = pack_trees([tree], budget, pad_token_id=0)
+        for field in ("input_ids", "position_ids", "loss_mask", "prev_index"):
+            packed, own = getattr(batch, field)[row, span], getattr(alone, field)[0]
+            offset = start if field == "prev_index" else 0
+            assert torch.equal(packed, own + offset), field
+        assert torch.equal(batch.tree_mask[row, span, span], alone.tree_mask[0])
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize(
-    "seed,depth,branches,budget", [(0, 1, 3, 64), (1, 3, 2, 48), (2, 4, 4, 512), (3, 2, 0, 40)]
+    "seed,depth,branches,budget",
+    # budget None: the longest path, which splits trees
+    [(0, 1, 3, 64), (1, 3, 2, 48), (2, 4, 4, 512), (3, 2, 0, 40), (4, 4, 4, None), (5, 3, 2, None)],
 )
 def test_packed_logprobs_equal_path_by_path_logprobs(attention, seed, depth, branches, budget):
     trees = _forest(seed, trees=4, depth=depth, branches=branches)
     model = _model(seed, attention).eval()
     paths = expand_paths(trees, pad_token_id=0)
-    packed = pack_trees(trees, micro_batch_tokens=budget, pad_token_id=0)
+    packed = pack_trees(trees, micro_batch_tokens=budget or _longest_path(trees), pad_token_id=0)
+    assert (packed.split_trees > 0) == (budget is None)
     with torch.no_grad():
         path_lp, path_ent = token_logprobs(model, paths.input_ids, paths.attention_mask, 0.7)
         lp, ent = _all_rows(lambda r: packed_logprobs(model, packed, r, 0.7), packed)
@@ -232,8 +312,12 @@ def _packed_loss(model, ref_model, batch, routed, coef):
     return total, stats
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("seed,depth,branches", [(0, 3, 2), (1, 4, 3), (2, 2, 5)])
-def test_paper_mode_loss_and_every_gradient_equal_the_path_expanded_ones(seed, depth, branches):
+def test_paper_mode_loss_and_every_gradient_equal_the_path_expanded_ones(
+    seed, depth, branches, split
+):
+    """Whole trees, or (``split``) trees split over a budget of the longest path."""
     trees = _forest(seed, trees=4, depth=depth, branches=branches)
     model, ref_model = _model(seed), _model(seed + 100).requires_grad_(False)
     coef = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.05)
@@ -246,8 +330,10 @@ def test_paper_mode_loss_and_every_gradient_equal_the_path_expanded_ones(seed, d
     path_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    batch = pack_trees(trees, micro_batch_tokens=80, pad_token_id=0)
+    budget = _longest_path(trees) if split else 80
+    batch = pack_trees(trees, micro_batch_tokens=budget, pad_token_id=0)
     assert batch.num_rows > 1  # gradient accumulation over rows is part of what is checked
+    assert (batch.split_trees > 0) == split
     loss, stats = _packed_loss(model, ref_model, batch, batch.route(advantages, "paper"), coef)
 
     assert loss == pytest.approx(path_loss.item(), abs=1e-5)
