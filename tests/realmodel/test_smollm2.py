@@ -86,6 +86,7 @@ def test_the_prepared_model_is_a_complete_model_directory(base_dir):
     check_policy_dir(base_dir)  # config, weights, tokenizer that fits the embedding
     config = json.loads((base_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["vocab_size"] == 49152
+    assert "quantization_config" not in config  # float32 weights, saved and loaded normally
     assert prepare_model("smollm2-135m") == base_dir  # prepared once, then reused
     tokenizer = load_tokenizer(base_dir)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
