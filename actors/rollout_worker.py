@@ -214,6 +214,7 @@ class RolloutWorker:
             action_ids=result.token_ids,
             action_logprobs=result.logprobs,
             policy_version=self.engine.version,
+            cached_tokens=result.cached_tokens,
         )
         if step is None:
             state = tree.state_at(parent_id)

@@ -54,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--cache-dir", default=None, help="where prepared models live (~/.cache/treegrpo/models)"
     )
+    trees = sub.add_parser(
+        "trees", help="inspect a run's saved trees: one self-contained HTML page, or --text"
+    )
+    trees.add_argument("run", type=Path, metavar="RUN", help="a run directory, e.g. runs/NAME")
+    trees.add_argument("--step", type=int, help="the step shown (first); default: the last saved")
+    trees.add_argument("--prompt", type=int, metavar="I", help="only the I-th prompt of a step")
+    trees.add_argument(
+        "--out", type=Path, metavar="FILE.html", help="the page to write (default: RUN/trees.html)"
+    )
+    trees.add_argument("--text", action="store_true", help="print the step as indented text")
     bench = sub.add_parser("bench", help="benchmark suites").add_subparsers(
         dest="suite", required=True
     )
@@ -78,6 +88,8 @@ def _run(args: argparse.Namespace) -> int:
 
         print(prepare_model(args.name, args.cache_dir or DEFAULT_CACHE))
         return 0
+    if args.command == "trees":
+        return _trees(args)
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0
@@ -101,6 +113,27 @@ def _run(args: argparse.Namespace) -> int:
         cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
     )
     print(summary["line"])
+    return 0
+
+
+def _trees(args: argparse.Namespace) -> int:
+    """``treegrpo trees``: write the inspector page (every saved step) or print one step."""
+    from treegrpo_ray.inspector import load_steps, render_html, render_text
+
+    views = load_steps(args.run, args.step, args.prompt, every_step=not args.text)
+    if args.text:
+        print(render_text(views[0]))
+        return 0
+    out = args.out or args.run / "trees.html"
+    selected = views[-1]["step"] if args.step is None else args.step
+    page = render_html(views, selected, f"treegrpo trees: {args.run.resolve().name}")
+    try:
+        out.write_text(page)
+    except OSError as err:
+        raise UserInputError(
+            f"cannot write {out}: {err.strerror}; give --out a writable path"
+        ) from None
+    print(out)
     return 0
 
 

@@ -42,6 +42,13 @@ from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_wei
 from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.packing import PackedBatch, pack_trees
+from treegrpo_ray.saved_trees import (
+    NodeAdvantage,
+    node_advantages,
+    saved_trees_table,
+    should_save,
+    write_saved_trees,
+)
 from treegrpo_ray.tree import Tree, batch_info, trees_from_arrow
 
 
@@ -176,6 +183,8 @@ class Learner:
         self.version = 0
         self.skipped_updates = 0
         self.skipped_in_a_row = 0
+        # per (tree_id, node_id) of the last update's trees: what the loss gave each node
+        self.node_advantages: dict[tuple[int, int], NodeAdvantage] = {}
 
     @classmethod
     def from_config(cls, cfg: JobConfig, model_path: str) -> Learner:
@@ -246,24 +255,13 @@ class Learner:
         """One PPO update (``epochs`` x ``minibatches`` optimizer steps) on a batch of trees."""
         metrics: dict[str, float] = tree_metrics(trees)
         with timed(metrics, "pack"):
+            chunks = self._split(trees)
             batches = [
                 pack_trees(chunk, self.ppo.micro_batch_tokens, self.tokenizer.pad_token_id)
-                for chunk in self._split(trees)
+                for chunk in chunks
             ]
-            rewards = torch.cat([b.rewards for b in batches])
-            if self.reward_norm is not None:
-                rewards = self.reward_norm(rewards, torch.cat([b.leaf_depths for b in batches]))
-            advantages = self.advantages(
-                rewards,
-                torch.cat([b.tree_ids for b in batches]),
-                torch.cat([b.group_ids for b in batches]),
-            )
-            routed = [
-                b.route(a, self.ppo.loss_mode, self.modifiers)
-                for b, a in zip(
-                    batches, advantages.split([len(b.rewards) for b in batches]), strict=True
-                )
-            ]
+            advantages = self._leaf_advantages(batches)
+            routed = self._route(chunks, batches, advantages)
         with timed(metrics, "ref_logprobs"):
             ref = [self._reference_logprobs(b) for b in batches]
         with timed(metrics, "old_logprobs"):
@@ -294,6 +292,32 @@ class Learner:
         metrics["learner/path_tokens"] = float(sum(b.path_tokens for b in batches))
         metrics["learner/advantage_abs_mean"] = float(advantages.abs().mean())
         return metrics
+
+    def _leaf_advantages(self, batches: list[PackedBatch]) -> torch.Tensor:
+        """Advantages (L,) of the leaves of every batch, in order, from their (normalised)
+        rewards."""
+        rewards = torch.cat([b.rewards for b in batches])
+        if self.reward_norm is not None:
+            rewards = self.reward_norm(rewards, torch.cat([b.leaf_depths for b in batches]))
+        return self.advantages(
+            rewards,
+            torch.cat([b.tree_ids for b in batches]),
+            torch.cat([b.group_ids for b in batches]),
+        )
+
+    def _route(
+        self, chunks: list[list[Tree]], batches: list[PackedBatch], advantages: torch.Tensor
+    ) -> list[RoutedAdvantages]:
+        """Each batch's share of ``advantages`` (L,) routed to its tokens; what each node got is
+        kept in ``node_advantages``."""
+        self.node_advantages = {}
+        routed = []
+        shares = advantages.split([len(b.rewards) for b in batches])
+        for chunk, batch, share in zip(chunks, batches, shares, strict=True):
+            nodes = batch.route_nodes(share, self.ppo.loss_mode, self.modifiers)
+            self.node_advantages.update(node_advantages(chunk, share, nodes))
+            routed.append(nodes.on_tokens(batch.token_node))
+        return routed
 
     def _count_nonfinite(self, metrics: dict[str, float]) -> None:
         """An update with a non-finite loss or gradient in any step is counted as skipped (its
@@ -422,6 +446,18 @@ class Learner:
             self.model.peft_config["default"].to_dict(),
         )
 
+    def save_trees(self, run_dir: Path, trees: list[Tree], metrics: dict[str, float]) -> Path:
+        """Write the trees of the last update, with what it gave each node and its ``metrics``,
+        to ``RUN/trees/step-NNNNNN.parquet`` (``treegrpo_ray.saved_trees``); returns the path."""
+        meta = {
+            "step": self.version,
+            "advantage": self.ppo.advantage,
+            "loss_mode": self.ppo.loss_mode,
+            "metrics": metrics,
+        }
+        table = saved_trees_table(trees, self.node_advantages, self.tokenizer.decode, meta)
+        return write_saved_trees(run_dir, self.version, table)
+
     def save(self, path: Path, extra: dict | None = None) -> Path:
         """Write the policy (safetensors + config), tokenizer and ``trainer_state.json``. With
         LoRA the policy is written merged (loadable as ``model.path``) and the adapter alone in
@@ -488,7 +524,8 @@ def train_loop_per_worker(config: dict) -> None:
     """Ray Train worker: pull trees, update, publish each new version through the controller.
 
     With several workers, rank 0 pulls each batch and broadcasts it; every rank updates on its
-    share of the rows (``treegrpo_ray.learners.distributed``); rank 0 publishes and saves. When the run
+    share of the rows (``treegrpo_ray.learners.distributed``); rank 0 publishes and saves (the
+    checkpoints, and the trees every ``train.save_trees_every`` updates). When the run
     directory holds a training-state checkpoint (a resumed run, or Ray Train restarting the group
     after a worker died), every rank restores it and rank 0 hands the restored policy to the
     controller, which rewinds the job to that step, before the first pull.
@@ -526,6 +563,9 @@ def train_loop_per_worker(config: dict) -> None:
                     ray.get(controller.abort.remote(_save_last_good(learner, cfg, err)))
                 return
         if first:
+            if should_save(cfg.train.save_trees_every, learner.version, cfg.train.steps):
+                with timed(metrics, "save_trees"):
+                    learner.save_trees(cfg.run_dir, trees, metrics)
             # idle: waiting for trees, and for the previous version's publish call (this cycle
             # runs from that call's start to this one's)
             metrics["timing/publish_wait_s"] = publish_s

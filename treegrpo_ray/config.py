@@ -389,6 +389,13 @@ class TrainConfig(_Section):
         description="Learner training-state checkpoint period in updates (RUN/checkpoints, the "
         "2 newest kept, written atomically); 0 = off.",
     )
+    save_trees_every: int = Field(
+        10,
+        ge=0,
+        description="Period in updates of the trees kept for inspection (RUN/trees/"
+        "step-NNNNNN.parquet, also the first and the last update; `treegrpo trees RUN` shows "
+        "them); 0 = off.",
+    )
     eval_questions: int = Field(256, gt=0, description="Held-out questions in periodic evals.")
     final_eval_questions: int = Field(
         1024, gt=0, description="Held-out questions in the evaluations before and after training."
@@ -589,6 +596,7 @@ RESUMABLE_CHANGES = (
     "train.eval_every",
     "train.eval_questions",
     "train.checkpoint_every",
+    "train.save_trees_every",
     "ppo.lr",
     "ppo.grad_clip",
     "ppo.micro_batch_tokens",

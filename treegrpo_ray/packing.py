@@ -185,20 +185,30 @@ class PackedBatch:
         bias = torch.zeros(allowed.shape, dtype=dtype)
         return bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
+    def route_nodes(
+        self,
+        leaf_advantages: torch.Tensor,
+        mode: Literal["paper", "mean"],
+        modifiers: NodeModifiers | None = None,
+    ) -> RoutedAdvantages:
+        """Leaf advantages (L,) routed to the nodes (``advantage.route_to_nodes``) and changed by
+        the per-node ``modifiers`` if any: advantages and leaves (K, N), weights (N,), with
+        modifiers also kl_coef and entropy_coef (N,)."""
+        nodes = route_to_nodes(leaf_advantages, self.node_leaves, mode)
+        if modifiers is not None:
+            nodes = modifiers.apply(nodes, self.node_depths, self.node_roles)
+        return nodes
+
     def route(
         self,
         leaf_advantages: torch.Tensor,
         mode: Literal["paper", "mean"],
         modifiers: NodeModifiers | None = None,
     ) -> RoutedAdvantages:
-        """Leaf advantages (L,) routed to the nodes (``advantage.route_to_nodes``), changed by
-        the per-node ``modifiers`` if any, and gathered onto their tokens: advantages and leaves
-        (K, R, T), weights (R, T), with modifiers also kl_coef and entropy_coef (R, T); 0 on
-        prompt and padding tokens."""
-        nodes = route_to_nodes(leaf_advantages, self.node_leaves, mode)
-        if modifiers is not None:
-            nodes = modifiers.apply(nodes, self.node_depths, self.node_roles)
-        return nodes.on_tokens(self.token_node)
+        """``route_nodes`` gathered onto the nodes' tokens: advantages and leaves (K, R, T),
+        weights (R, T), with modifiers also kl_coef and entropy_coef (R, T); 0 on prompt and
+        padding tokens."""
+        return self.route_nodes(leaf_advantages, mode, modifiers).on_tokens(self.token_node)
 
 
 @dataclass

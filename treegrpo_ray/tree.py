@@ -34,6 +34,8 @@ NODE_SCHEMA = pa.schema(
         ("policy_version", pa.int32()),
         ("role", pa.string()),
         ("tool_call", pa.bool_()),
+        # Prefix tokens of this node's generation that the engine served from its KV cache.
+        ("cached_tokens", pa.int32()),
         # The prompt's token ids, stored once per tree: on its first row, null on the others.
         ("prompt_ids", pa.list_(pa.int32())),
     ]
@@ -68,7 +70,9 @@ class BatchInfo:
 class AgentStep:
     """One node: an action (generated tokens) and the observation the environment returned.
 
-    ``reward`` is NaN except on leaves (``finished``). ``env_state`` is the environment state after
+    ``reward`` is NaN except on leaves (``finished``). ``cached_tokens``: how many tokens of the
+    prefix this action was generated from (prompt + path above it) the engine served from its KV
+    cache rather than computed. ``env_state`` is the environment state after
     this step; it lets the tree branch from here and never leaves the rollout worker.
     """
 
@@ -84,6 +88,7 @@ class AgentStep:
     role: str
     tool_call: bool
     reward: float = math.nan
+    cached_tokens: int = 0
     env_state: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -153,9 +158,9 @@ class Tree:
         self.nodes = kept
 
 
-def trees_to_arrow(trees: list[Tree], info: BatchInfo) -> pa.Table:
+def trees_to_arrow(trees: list[Tree], info: BatchInfo | None) -> pa.Table:
     """Serialise trees to one Arrow table, one row per node (DESIGN §3), with ``info`` in the
-    schema metadata under ``treegrpo``."""
+    schema metadata under ``treegrpo`` (None: no metadata, e.g. for saved trees)."""
     columns: dict[str, list[Any]] = {name: [] for name in NODE_SCHEMA.names}
     for tree in trees:
         if not tree.nodes:
@@ -166,7 +171,9 @@ def trees_to_arrow(trees: list[Tree], info: BatchInfo) -> pa.Table:
             columns["prompt_ids"].append(tree.prompt_ids if node.node_id == 0 else None)
             for name in NODE_COLUMNS:
                 columns[name].append(getattr(node, name))
-    schema = NODE_SCHEMA.with_metadata({"treegrpo": info.to_json()})
+    schema = (
+        NODE_SCHEMA if info is None else NODE_SCHEMA.with_metadata({"treegrpo": info.to_json()})
+    )
     return pa.Table.from_pydict(columns, schema=schema)
 
 

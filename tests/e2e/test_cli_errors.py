@@ -222,3 +222,57 @@ def test_resume_refuses_a_change_of_what_is_learned(treegrpo, stopped_run):
 
 def test_train_needs_a_config_or_resume(treegrpo):
     _assert_one_line_error(treegrpo("train"), "CONFIG", "--resume")
+
+
+@pytest.fixture
+def saved_run(tmp_path):
+    """A run directory with the trees of step 4 saved: one tree, a search node and two leaves."""
+    import torch
+
+    from treegrpo_ray.packing import pack_trees
+    from treegrpo_ray.saved_trees import node_advantages, saved_trees_table, write_saved_trees
+    from treegrpo_ray.tree import ROOT, Tree
+
+    tree = Tree(tree_id=0, group_id=0, prompt_ids=[1, 2])
+    common = dict(action_ids=[3], action_logprobs=[-0.5], policy_version=3)
+    tree.add(ROOT, obs_ids=[4], finished=False, finish_reason="stop", role="search",
+             tool_call=True, **common)  # fmt: skip
+    for reward in (1.0, 0.0):
+        tree.add(0, obs_ids=[], finished=True, finish_reason="done", role="answer",
+                 tool_call=False, reward=reward, **common)  # fmt: skip
+    advantages = torch.tensor([0.7, -0.7])
+    routed = pack_trees([tree], 64, 0).route_nodes(advantages, "paper")
+    table = saved_trees_table(
+        [tree], node_advantages([tree], advantages, routed), str, {"step": 4, "metrics": {}}
+    )
+    write_saved_trees(tmp_path, 4, table)
+    return tmp_path
+
+
+def test_trees_of_a_missing_run(treegrpo, tmp_path):
+    result = treegrpo("trees", str(tmp_path / "nowhere"))
+    _assert_one_line_error(result, f"no run directory {tmp_path / 'nowhere'}")
+
+
+def test_trees_of_a_run_that_saved_none(treegrpo, tmp_path):
+    result = treegrpo("trees", str(tmp_path), "--text")
+    _assert_one_line_error(result, "holds no saved trees", "train.save_trees_every")
+
+
+def test_trees_of_a_step_that_was_not_saved(treegrpo, saved_run):
+    result = treegrpo("trees", str(saved_run), "--step", "5")
+    _assert_one_line_error(result, "step 5", "was not saved", "saved steps: 4")
+
+
+def test_trees_of_a_prompt_the_step_does_not_have(treegrpo, saved_run):
+    result = treegrpo("trees", str(saved_run), "--prompt", "1", "--text")
+    _assert_one_line_error(result, "--prompt 1 is out of range", "1 prompts (0-0)")
+
+
+@pytest.mark.parametrize("view", [(), ("--text", "--step", "6")], ids=["page", "text"])
+def test_trees_from_a_corrupt_file(treegrpo, saved_run, view):
+    corrupt = saved_run / "trees" / "step-000006.parquet"
+    corrupt.write_bytes(b"PAR1 half a file")
+    result = treegrpo("trees", str(saved_run), *view)
+    _assert_one_line_error(result, str(corrupt), "not a readable saved-trees file")
+    assert not (saved_run / "trees.html").exists()

@@ -101,8 +101,13 @@ def test_the_installed_command_trains_two_updates(installed, tmp_path, tiny_cfg,
     done = _run(installed, tmp_path, "treegrpo", "train", "tiny-multihop", "--quiet", *sets)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1].startswith("treegrpo: tiny-multihop done in")
-    summary = json.loads((tmp_path / "runs" / "tiny-multihop" / "summary.json").read_text())
+    run = tmp_path / "runs" / "tiny-multihop"
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["rollout/worker_versions"] == [2]
+    # the inspector's page template is installed with the package
+    done = _run(installed, tmp_path, "treegrpo", "trees", str(run))
+    assert done.returncode == 0, done.stderr
+    assert 'data-step="2"' in (run / "trees.html").read_text()
 
 
 def test_the_rayjob_entrypoint_runs_from_the_image_file_set(installed, tmp_path):

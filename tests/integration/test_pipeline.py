@@ -16,6 +16,7 @@ from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import FIT_THREAD, resolve_model_path, resume_step, train
 from treegrpo_ray.config import resume_config
+from treegrpo_ray.saved_trees import read_saved_trees
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +66,14 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(
     checkpoints = cfg.run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-000002"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000002"]
+    # the trees of the first and the last update (train.save_trees_every 10), nothing else
+    saved = sorted(p.name for p in (cfg.run_dir / "trees").iterdir())
+    assert saved == ["step-000001.parquet", "step-000002.parquet"]
+    for record in records:
+        table, meta = read_saved_trees(cfg.run_dir, record["step"])
+        assert table.num_rows == record["tree/nodes"]
+        assert sum(table.column("finished").to_pylist()) == record["tree/leaves"]
+        assert meta["metrics"]["budget/tool_calls"] == record["budget/tool_calls"]
 
 
 # Not a function of the seed: wall-clock times, and the prefix-cache counters (the cache is not

@@ -44,8 +44,11 @@ def test_budget_counters_equal_what_was_produced(tiny_cfg, tiny_policy):
         assert budget.generated_tokens == sum(len(n.action_ids) for n in nodes)
         assert budget.tool_calls == sum(n.tool_call for n in nodes)
         assert budget.leaves == sum(n.finished for n in nodes)
+        assert budget.cached_tokens == sum(n.cached_tokens for n in nodes)  # no K-pruning here
         assert budget.prefill_tokens > 0
     assert sum(b.tool_calls for b in info.budgets.values()) > 0
+    # a branch from an inner node is conditioned on a prefix the cache already holds
+    assert sum(n.cached_tokens for t in trees for n in t.nodes) > 0
 
 
 def test_over_long_actions_become_leaves_with_no_answer(tiny_cfg, tiny_policy):

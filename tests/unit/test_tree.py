@@ -28,6 +28,7 @@ def _node(finished=False, reward=math.nan, **kw):
         role="answer" if finished else "search",
         tool_call=not finished,
         reward=reward,
+        cached_tokens=4,
     )
     fields.update(kw)
     return fields
