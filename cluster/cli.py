@@ -6,6 +6,7 @@ Errors in user input (configs, paths) print one line and exit with code 2, witho
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainingStopped as err:
         print(f"treegrpo: training stopped: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader went away (`treegrpo trees --text | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
         return 1
 
 
