@@ -24,7 +24,8 @@ def timed(metrics: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def tree_metrics(trees: list[Tree]) -> dict[str, float]:
-    """``tree/...`` statistics over the leaves of a batch of trees."""
+    """``tree/...`` statistics over the leaves of a batch of trees; ``tree/entropy_mean`` is the
+    mean sampling entropy per action token (nats), where the engine reported entropies."""
     rewards_by_group: dict[int, list[float]] = defaultdict(list)
     depths = []
     for tree in trees:
@@ -33,6 +34,11 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
             depths.append(leaf.depth + 1)
     rewards = [r for group in rewards_by_group.values() for r in group]
     varied = [len(set(group)) > 1 for group in rewards_by_group.values()]
+    measured = [n for t in trees for n in t.nodes if n.entropy is not None and n.action_ids]
+    tokens = sum(len(n.action_ids) for n in measured)
+    entropy = (
+        {"tree/entropy_mean": sum(n.entropy_mass for n in measured) / tokens} if tokens else {}
+    )
     return {
         "tree/reward_mean": statistics.fmean(rewards),
         "tree/leaves": float(len(rewards)),
@@ -40,6 +46,7 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
         "tree/groups": float(len(rewards_by_group)),
         "tree/groups_with_variance": statistics.fmean(varied),
         "tree/turns_mean": statistics.fmean(depths),
+        **entropy,
     }
 
 
