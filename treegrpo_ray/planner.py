@@ -181,25 +181,33 @@ def prompt_mean_rewards(trees: list[Tree]) -> dict[int, float]:
 def branch_gains(trees: list[Tree]) -> dict[int, float]:
     """Per prompt group, q: the estimated probability that one more branch ends with a reward its
     leaves do not have yet. 0 for a prompt whose leaves already disagree (it has a gradient);
-    otherwise ``1 - f(r)``, r = the reward all its leaves share and f(r) = the share of all leaves
-    of ``trees`` with reward r: the chance of another reward if the prompt behaved like the batch.
-    (For 0/1 rewards and a batch success rate mu, the true chance is ``E[p (1 - p)] / mu`` after a
-    success and ``E[p (1 - p)] / (1 - mu)`` after a failure, over the prompts' success rates p:
-    ``1 - f(r)`` has the same ratio between the two, and overstates both.)"""
-    by_group: dict[int, set[float]] = defaultdict(set)
-    rewards = []
+    otherwise ``s (1 - f(r))``: r = the reward all its leaves share, f(r) = the share of all leaves
+    of ``trees`` with reward r (the chance of another reward if the prompt behaved like the whole
+    batch), and s = ``disagreement_ratio`` (how much less often a prompt's own leaves disagree than
+    leaves drawn from the batch would; 1 when no prompt has two leaves yet)."""
+    by_group: dict[int, list[float]] = defaultdict(list)
     for tree in trees:
-        for leaf in tree.leaves():
-            by_group[tree.group_id].add(leaf.reward)
-            rewards.append(leaf.reward)
-    gains = {}
-    for group, seen in by_group.items():
-        if len(seen) > 1:
-            gains[group] = 0.0
-            continue
-        (reward,) = seen
-        gains[group] = 1 - sum(r == reward for r in rewards) / len(rewards)
-    return gains
+        by_group[tree.group_id] += [leaf.reward for leaf in tree.leaves()]
+    rewards = [r for group in by_group.values() for r in group]
+    share = {r: rewards.count(r) / len(rewards) for r in set(rewards)}
+    ratio = disagreement_ratio(list(by_group.values()), share)
+    return {
+        group: 0.0 if len(set(seen)) > 1 else ratio * (1 - share[seen[0]])
+        for group, seen in by_group.items()
+    }
+
+
+def disagreement_ratio(groups: list[list[float]], share: dict[float, float]) -> float:
+    """Prompts whose leaves disagree over the number expected if each leaf were an independent
+    draw from the batch (``share``: reward -> its share of the leaves), over the prompts with two
+    leaves or more, at most 1; 1 without such prompts. For 0/1 rewards this is
+    ``1 - Var(p) / (mu (1 - mu))`` over the prompts' success rates p: prompts differ in
+    difficulty, so a prompt's next leaf repeats its reward more often than the batch's mix says."""
+    several = [g for g in groups if len(g) > 1]
+    expected = sum(1 - sum(share[r] ** len(g) for r in set(share)) for g in several)
+    if not several or expected == 0:
+        return 1.0
+    return min(1.0, sum(len(set(g)) > 1 for g in several) / expected)
 
 
 def adaptive_counts(

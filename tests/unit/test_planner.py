@@ -14,6 +14,7 @@ from treegrpo_ray.planner import (
     TreeShape,
     adaptive_counts,
     branch_gains,
+    disagreement_ratio,
     node_stats,
 )
 from treegrpo_ray.tree import ROOT, Tree
@@ -163,25 +164,38 @@ def allocation_batch() -> list[Tree]:
     return trees
 
 
-def test_branch_gains_are_zero_for_mixed_prompts_and_one_minus_the_reward_share_otherwise():
-    # 8 leaves: five 0.2, three 1.0
-    assert branch_gains(allocation_batch()) == {0: 3 / 8, 1: 0.0, 2: 5 / 8, 3: 3 / 8}
+def test_disagreement_ratio_compares_prompts_with_independent_draws_from_the_batch():
+    # shares 0.2: 5/8, 1.0: 3/8; two leaves disagree with chance 1 - (5/8)^2 - (3/8)^2 = 0.46875,
+    # so 4 prompts would have 1.875 mixed; 1 has: 1 / 1.875 = 8/15
+    groups = [[0.2, 0.2], [1.0, 0.2], [1.0, 1.0], [0.2, 0.2]]
+    assert disagreement_ratio(groups, {0.2: 5 / 8, 1.0: 3 / 8}) == pytest.approx(8 / 15)
+    # three leaves, shares 1/6 and 5/6: expected 2 x (1 - 1/216 - 125/216) = 0.8333 < 1 observed
+    assert disagreement_ratio([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], {1.0: 1 / 6, 0.0: 5 / 6}) == 1.0
+    assert disagreement_ratio([[0.2], [1.0]], {0.2: 0.5, 1.0: 0.5}) == 1.0  # one leaf each
+
+
+def test_branch_gains_are_zero_for_mixed_prompts_and_scaled_reward_rarity_otherwise():
+    # q = 8/15 x (1 - share of the prompt's reward): 0.2 -> 8/15 x 3/8 = 0.2, 1.0 -> 8/15 x 5/8
+    assert branch_gains(allocation_batch()) == pytest.approx({0: 0.2, 1: 0.0, 2: 1 / 3, 3: 0.2})
 
 
 def test_adaptive_counts_follow_the_marginal_gains_and_keep_the_total():
     # n 2, floor 1: each of the 8 trees keeps 1; 8 pooled. Marginal gains q (1 - q)^k:
-    #   prompts 0 and 3 (q 3/8): 0.375, 0.234375, 0.146484, 0.091553
-    #   prompt 2 (q 5/8): 0.625, 0.234375, 0.087891;  prompt 1 (mixed): 0
-    # The 8 largest: 0.625, 0.375 x2, 0.234375 x3, 0.146484 x2 -> prompts 0 and 3 get 3,
-    # prompt 2 gets 2, prompt 1 none; within a prompt the tree with fewer goes first.
-    counts, gains = adaptive_counts(allocation_batch(), n=2, floor=1, rng=random.Random(0))
-    assert counts == [3, 2, 1, 1, 2, 2, 3, 2]
-    assert sum(counts) == 2 * 8
-    assert gains[2] == 5 / 8
+    #   prompts 0 and 3 (q 0.2): 0.2, 0.16, 0.128, 0.1024
+    #   prompt 2 (q 1/3): 0.333333, 0.222222, 0.148148;  prompt 1 (mixed): 0
+    # The 8 largest: 0.333, 0.222, 0.2 x2, 0.16 x2, 0.148, then one of the two 0.128 (the RNG):
+    # prompt 2 gets 3, prompts 0 and 3 get 2 and 3, prompt 1 none; within a prompt the tree
+    # with fewer goes first.
+    for seed in range(4):
+        counts, gains = adaptive_counts(allocation_batch(), 2, 1, random.Random(seed))
+        assert counts[2:6] == [1, 1, 3, 2]
+        assert sorted([counts[0] + counts[1], counts[6] + counts[7]]) == [4, 5]
+        assert sum(counts) == 2 * 8
+    assert gains[2] == pytest.approx(1 / 3)
 
 
 def test_adaptive_counts_respect_the_floor_and_the_cap_of_twice_n():
-    # only prompt 0 has leaves that agree; floor 0 pools all 16 expansions
+    # only prompt 0 has leaves that agree; floor 0 pools all 8 expansions
     trees = allocation_batch()[:4]  # prompts 0 (0.2, 0.2) and 1 (1.0, 0.2)
     counts, _ = adaptive_counts(trees, n=2, floor=0, rng=random.Random(0))
     # prompt 0 takes up to 2n = 4 per tree, the mixed prompt the rest
