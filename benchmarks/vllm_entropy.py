@@ -65,22 +65,28 @@ class EntropyHost:
         return [{"tokens": r.token_ids, "entropies": r.entropies} for r in results]
 
 
-def exact_entropies(model, prefix: list[int], tokens: list[int], k: int):
-    """Per position: the exact entropy of softmax(logits / T) (float64) and the bound on the
-    top-k value's shortfall, ``r ln((V - n) min(r, p_k) / r)`` (n tokens known: the top k and the
-    sampled one; r the mass they leave; p_k the k-th largest probability)."""
+def exact_entropies(model, prefix: list[int], tokens: list[int], k: int) -> dict[str, list]:
+    """Per position, from the exact distribution softmax(logits / T) (float64): its entropy, the
+    bound on the top-k value's shortfall ``r ln((V - n) min(r, p_k) / r)`` (n tokens known: the top
+    k and the sampled one; r the mass they leave; p_k the k-th largest probability), and what two
+    other estimates from the same tokens would give: the unknown mass as one token
+    (``-r ln r``) and spread evenly over the unknown tokens (``r ln((V - n) / r)``)."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prefix + tokens])).logits[0].double()
-    exact, bounds = [], []
+    out: dict[str, list] = {"exact": [], "bound": [], "one_token": [], "uniform_tail": []}
     for row, token in zip(logits[len(prefix) - 1 : -1], tokens, strict=True):
         probs = torch.softmax(row / TEMPERATURE, dim=-1)
-        exact.append(float(-(probs * probs.log()).sum()))
         top = torch.topk(probs, k)
-        known = set(top.indices.tolist()) | {token}
-        rest = max(0.0, 1.0 - float(probs[list(known)].sum()))
+        known = list(set(top.indices.tolist()) | {token})
+        rest = max(0.0, 1.0 - float(probs[known].sum()))
+        unknown = len(probs) - len(known)
         cap = min(rest, float(top.values[-1]))
-        bounds.append(rest * math.log((len(probs) - len(known)) * cap / rest) if rest else 0.0)
-    return exact, bounds
+        head = float(-(probs[known] * probs[known].log()).sum())
+        out["exact"].append(float(-(probs * probs.log()).sum()))
+        out["bound"].append(rest * math.log(unknown * cap / rest) if rest else 0.0)
+        out["one_token"].append(head - rest * math.log(rest) if rest else head)
+        out["uniform_tail"].append(head + rest * math.log(unknown / rest) if rest else head)
+    return out
 
 
 def summary(errors: list[float]) -> dict[str, float]:
@@ -110,20 +116,23 @@ def measure(
     out: dict[str, Any] = {"vocab": int(model.config.vocab_size), "ks": {}}
     for k in ks:
         token_err, action_err, rel_err, slack, within = [], [], [], [], 0
-        exact_all = []
+        exact_all: list[float] = []
+        other: dict[str, list[float]] = {"one_token": [], "uniform_tail": []}
         samples = ray.get(host.sample.remote(policy, k, prefixes, stops))
         for prefix, sample in zip(prefixes, samples, strict=True):
             if not sample["tokens"]:
                 continue
-            exact, bounds = exact_entropies(model, prefix, sample["tokens"], k)
-            got = sample["entropies"]
+            ref = exact_entropies(model, prefix, sample["tokens"], k)
+            exact, got = ref["exact"], sample["entropies"]
             errors = [e - g for e, g in zip(exact, got, strict=True)]
             token_err += errors
-            slack += [b - d for b, d in zip(bounds, errors, strict=True)]
-            within += sum(-1e-5 <= d <= b + 1e-5 for d, b in zip(errors, bounds, strict=True))
+            slack += [b - d for b, d in zip(ref["bound"], errors, strict=True)]
+            within += sum(-1e-5 <= d <= b + 1e-5 for d, b in zip(errors, ref["bound"], strict=True))
             mean_exact = statistics.fmean(exact)
             action_err.append(mean_exact - statistics.fmean(got))
             rel_err.append(action_err[-1] / mean_exact)
+            for name, values in other.items():
+                values.append(abs(mean_exact - statistics.fmean(ref[name])) / mean_exact)
             exact_all += exact
         out["ks"][k] = {
             "tokens": len(token_err),
@@ -133,6 +142,7 @@ def measure(
             "action_relative_error": summary(rel_err),
             "bound_minus_error": summary(slack),
             "exact_mean": statistics.fmean(exact_all),
+            **{f"{name}_relative_error": summary(values) for name, values in other.items()},
         }
     ray.kill(host)
     return out
@@ -149,15 +159,18 @@ def markdown(result: dict[str, Any], prompts: int) -> str:
         f"{next(iter(result['ks'].values()))['exact_mean']:.3f} nats.",
         "",
         "| k | tokens | within bound | token error mean / p95 / max | action error mean / max "
-        "| action relative error mean / max |",
-        "|---|---|---|---|---|---|",
+        "| action relative error mean / max | other estimates' mean relative error per action: "
+        "unknown mass as one token / spread evenly |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k, r in result["ks"].items():
         t, a, rel = r["token_error"], r["action_error"], r["action_relative_error"]
+        one, even = r["one_token_relative_error"], r["uniform_tail_relative_error"]
         lines.append(
             f"| {k} | {r['tokens']} | {100 * r['within_bound']:.0f}% | {t['mean']:.4f} / "
             f"{t['p95']:.4f} / {t['max']:.4f} | {a['mean']:.4f} / {a['max']:.4f} | "
-            f"{100 * rel['mean']:.2f}% / {100 * rel['max']:.2f}% |"
+            f"{100 * rel['mean']:.2f}% / {100 * rel['max']:.2f}% | {100 * one['mean']:.1f}% / "
+            f"{100 * even['mean']:.1f}% |"
         )
     return "\n".join(lines) + "\n"
 
