@@ -24,8 +24,8 @@ def timed(metrics: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def tree_metrics(trees: list[Tree]) -> dict[str, float]:
-    """``tree/...`` statistics over the leaves of a batch of trees; ``tree/entropy_mean`` is the
-    mean sampling entropy per action token (nats), where the engine reported entropies."""
+    """``tree/...`` statistics over the leaves of a batch of trees, and ``rollout/entropy_mean``:
+    the mean sampling entropy per action token (nats) the engine reported, where it did."""
     rewards_by_group: dict[int, list[float]] = defaultdict(list)
     depths = []
     for tree in trees:
@@ -37,7 +37,7 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
     measured = [n for t in trees for n in t.nodes if n.entropy is not None and n.action_ids]
     tokens = sum(len(n.action_ids) for n in measured)
     entropy = (
-        {"tree/entropy_mean": sum(n.entropy_mass for n in measured) / tokens} if tokens else {}
+        {"rollout/entropy_mean": sum(n.entropy_mass for n in measured) / tokens} if tokens else {}
     )
     return {
         "tree/reward_mean": statistics.fmean(rewards),
