@@ -82,6 +82,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(model_path)
         self.env = make_env(task, search)
         self.shape = tree.shape()
+        self.selection = tree.selection()
         self.sampling = sampling
         self.stops = StopStrings(self.env.stop_sequences, self.tokenizer.decode)
         self.prompt_format = prompt_format or PromptFormat()
@@ -98,22 +99,29 @@ class RolloutWorker:
         return version
 
     def expand(self, lease: Lease) -> pa.Table:
-        """Run the tree search for every group of the lease; returns the trees as Arrow."""
+        """Run the tree search for every group of the lease; returns the trees as Arrow, with the
+        rollout's wall time and the part the planner's choices took (selection, allocation)."""
         start = time.perf_counter()
         rng = random.Random(lease.seed)
         trees = self._new_trees(lease.groups, self.shape.m)
         budgets = {group_id: Budget() for group_id, _ in lease.groups}
-        planner = TreePlanner(self.shape, rng)
+        planner = TreePlanner(self.shape, rng, self.selection)
+        planner_seconds = 0.0
         self._complete(trees, planner.initial(trees), self.sampling.temperature, rng, budgets)
         for _ in range(planner.rounds()):
-            self._complete(
-                trees, planner.next_round(trees), self.sampling.temperature, rng, budgets
-            )
+            chose = time.perf_counter()
+            expansions = planner.next_round(trees)
+            planner_seconds += time.perf_counter() - chose
+            self._complete(trees, expansions, self.sampling.temperature, rng, budgets)
         planner.prune(trees)
-        seconds = time.perf_counter() - start
-        return trees_to_arrow(
-            trees, BatchInfo(lease.lease_id, self.engine.version, budgets, seconds)
+        info = BatchInfo(
+            lease.lease_id,
+            self.engine.version,
+            budgets,
+            rollout_seconds=time.perf_counter() - start,
+            planner_seconds=planner_seconds,
         )
+        return trees_to_arrow(trees, info)
 
     def expand_leased(self, lease: Lease) -> tuple[LeaseReceipt, pa.Table]:
         """``expand`` plus a receipt the controller reads without fetching the trees."""
@@ -174,7 +182,7 @@ class RolloutWorker:
             next_frontier = []
             for expansion, result in zip(frontier, results, strict=True):
                 tree = trees[expansion.tree_index]
-                node = self._add_node(tree, expansion.node_id, result, step_of.get(id(expansion)))
+                node = self._add_node(tree, expansion, result, step_of.get(id(expansion)))
                 budgets.get(tree.group_id, Budget()).count_step(
                     len(result.token_ids),
                     result.prefill_tokens,
@@ -203,18 +211,24 @@ class RolloutWorker:
         )
 
     def _add_node(
-        self, tree: Tree, parent_id: int, result: GenerationResult, step: StepResult | None
+        self, tree: Tree, expansion: Expansion, result: GenerationResult, step: StepResult | None
     ) -> AgentStep:
-        """Attach the generated action (and the env's answer to it) as a child of ``parent_id``.
+        """Attach the generated action (and the env's answer to it) as a child of the expanded
+        node, with its mean token entropy and the planner's reason for branching there.
 
         An action that ended without a stop sequence (token or context limit) is a finished leaf
         whose reward is that of the episode with no answer.
         """
+        parent_id = expansion.node_id
+        entropies = result.entropies
         common = dict(
             action_ids=result.token_ids,
             action_logprobs=result.logprobs,
             policy_version=self.engine.version,
             cached_tokens=result.cached_tokens,
+            entropy=sum(entropies) / len(entropies) if entropies else None,
+            select_score=expansion.score,
+            select_reason=expansion.reason,
         )
         if step is None:
             state = tree.state_at(parent_id)

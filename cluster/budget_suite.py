@@ -18,11 +18,22 @@ Comparisons, paired by seed (same warm start, prompts and evaluation questions):
 Pre-registered headline: tree (1,2,1) minus chain G = 2, greedy held-out EM at matched generated
 tokens, from the low warm start, mean and 95% CI over the headline seeds.
 
+Node selection and budget allocation (issue 17, not in the default arms): ``tree-MxNxL-RULE`` with
+RULE entropy or uncertainty (``tree.select``), and an ``-adaptive`` suffix for
+``tree.allocate=adaptive`` (``tree-MxNxL-adaptive``: uniform choice, adaptive allocation), at
+(1,2,1) and (2,2,1). Each is compared, paired by seed, with the uniform tree of its shape and the
+chains of its budget: the share of prompts whose leaves' rewards differ, and EM as above. Every run
+also records the planner's share of its rollout wall time (selection and allocation).
+
 Runs go to OUT/runs/START/ARM/seedN.json as they finish; a rerun skips those that exist, so a
 stopped suite loses nothing. Then OUT/results.json, OUT/results.md and OUT/budget_efficiency.png.
 
     treegrpo bench budget [--quick] [--preset tiny-multihop] [--out DIR] [--workers 2]
                           [--steps N] [--seeds N] [--arms chain-2,tree-1x2x1] [--starts low]
+
+The pre-registered selection comparison (README): ``--starts low --arms
+chain-2,chain-3,tree-1x2x1,tree-1x2x1-entropy,tree-1x2x1-uncertainty,tree-1x2x1-adaptive,
+tree-1x2x1-entropy-adaptive,tree-1x2x1-uncertainty-adaptive --out benchmarks/results/budget-select``.
 """
 
 from __future__ import annotations
@@ -49,41 +60,66 @@ COSTS = ("generated_tokens", "tool_calls", "prefill_tokens", "cached_tokens", "l
 # what a run learned from, averaged over its updates: the share of prompts whose leaves' rewards
 # differ (the only ones with a nonzero group advantage) and the mean leaf reward
 SIGNALS = {"groups_with_variance": "tree/groups_with_variance", "train_reward": "tree/reward_mean"}
+# a run's rollout wall time and the planner's part of it (selection and allocation), summed
+ROLLOUT_TIMES = {"rollout_seconds": "rollout/seconds", "planner_seconds": "rollout/planner_seconds"}
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One method at one budget: ``budget`` is the nominal cost in chain-equivalents."""
+    """One method at one budget: ``budget`` is the nominal cost in chain-equivalents; ``select`` /
+    ``allocate``: the tree's node selection rule and budget allocation (``tree.select``,
+    ``tree.allocate``)."""
 
     name: str
     method: str  # "chain" or "tree"
     budget: int
     overrides: tuple[str, ...]
+    select: str = "uniform"
+    allocate: str = "fixed"
 
 
 def _chain(g: int) -> Arm:
     return Arm(f"chain-{g}", "chain", g, (f"tree.m={g}", "tree.n=0", "ppo.advantage=chain"))
 
 
-def _tree(m: int, n: int, l: int, budget: int) -> Arm:  # noqa: E741 - the paper's name
-    shape = (f"tree.m={m}", f"tree.n={n}", f"tree.l={l}", "ppo.advantage=tree")
-    return Arm(f"tree-{m}x{n}x{l}", "tree", budget, shape)
+def _tree(
+    m: int,
+    n: int,
+    l: int,  # noqa: E741 - the paper's name
+    budget: int,
+    select: str = "uniform",
+    allocate: str = "fixed",
+) -> Arm:
+    """``tree-MxNxL``, with ``-SELECT`` unless uniform and ``-adaptive`` for that allocation."""
+    overrides = (f"tree.m={m}", f"tree.n={n}", f"tree.l={l}", "ppo.advantage=tree")
+    name = f"tree-{m}x{n}x{l}"
+    if select != "uniform":
+        name, overrides = f"{name}-{select}", (*overrides, f"tree.select={select}")
+    if allocate != "fixed":
+        name, overrides = f"{name}-{allocate}", (*overrides, f"tree.allocate={allocate}")
+    return Arm(name, "tree", budget, overrides, select, allocate)
 
 
-ARMS = {
-    a.name: a
-    for a in (
-        _chain(2),
-        _chain(3),
-        _chain(4),
-        _chain(8),
-        _chain(16),
-        _tree(1, 2, 1, 2),
-        _tree(2, 2, 1, 4),
-        _tree(2, 6, 1, 8),
-        _tree(4, 5, 1, 16),
-    )
-}
+PAPER_ARMS = (
+    _chain(2),
+    _chain(3),
+    _chain(4),
+    _chain(8),
+    _chain(16),
+    _tree(1, 2, 1, 2),
+    _tree(2, 2, 1, 4),
+    _tree(2, 6, 1, 8),
+    _tree(4, 5, 1, 16),
+)
+# Every selection rule x allocation but the paper's (uniform, fixed), at budgets 2 and 4.
+SELECTION_ARMS = tuple(
+    _tree(*shape, budget, select, allocate)
+    for shape, budget in (((1, 2, 1), 2), ((2, 2, 1), 4))
+    for select in ("uniform", "entropy", "uncertainty")
+    for allocate in ("fixed", "adaptive")
+    if (select, allocate) != ("uniform", "fixed")
+)
+ARMS = {a.name: a for a in (*PAPER_ARMS, *SELECTION_ARMS)}
 # (tree arm, chain arm) at the same nominal budget; chain-3 is budget 2's equal-leaves control.
 PAIRS = (
     ("tree-1x2x1", "chain-2"),
@@ -94,6 +130,26 @@ PAIRS = (
 )
 HEADLINE = {"start": "low", "tree": "tree-1x2x1", "chain": "chain-2", "metric": "greedy_em"}
 STRETCH = ("tree-2x2x1", "chain-16")  # the paper's headline: tree at budget 4 >= chain at 16
+# (selection arm, reference): the uniform tree of its shape and the chains of its budget.
+SELECTION_PAIRS = tuple(
+    (arm.name, reference)
+    for arm in SELECTION_ARMS
+    for reference in (
+        ("tree-1x2x1", "chain-2", "chain-3") if arm.budget == 2 else ("tree-2x2x1", "chain-4")
+    )
+)
+# The pre-registered selection comparison (README): low start, the budget-2 arms.
+SELECTION_TARGETS = {
+    "start": "low",
+    "uniform": "tree-1x2x1",
+    "control": "chain-3",
+    "arms": tuple(a.name for a in SELECTION_ARMS if a.budget == 2),
+    "share_gain": 0.05,  # primary: at least +5 points of prompts with reward variance
+    "token_slack": 1.05,  # ... at no more than 5% more generated tokens per prompt
+    "overhead": 0.05,  # cost: planner time at most 5% of rollout wall time
+}
+# Arms that get the headline seeds from the low start.
+HEADLINE_ARMS = ("tree-1x2x1", "chain-2", "chain-3", *SELECTION_TARGETS["arms"])
 
 
 @dataclass(frozen=True)
@@ -107,7 +163,7 @@ class Settings:
     eval_questions: int
     eval_samples: int  # sampled chains per question in the final evaluation
     starts: dict[str, tuple[str, ...]]
-    arms: tuple[str, ...] = tuple(ARMS)
+    arms: tuple[str, ...] = tuple(a.name for a in PAPER_ARMS)
     eval_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
 
 
@@ -160,7 +216,7 @@ def jobs(preset: str, settings: Settings) -> list[Job]:
     out = []
     for start in settings.starts:
         for arm in settings.arms:
-            headline = start == HEADLINE["start"] and arm in ("tree-1x2x1", "chain-2", "chain-3")
+            headline = start == HEADLINE["start"] and arm in HEADLINE_ARMS
             seeds = max(settings.seeds, settings.headline_seeds) if headline else settings.seeds
             out += [Job(preset, start, arm, seed, settings) for seed in range(seeds)]
     return out
@@ -211,10 +267,13 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
     points = [{"step": 0, "prompts": 0, "train_seconds": 0.0, **cost}]
     points[0].update(warm_start_evaluation(run, job, out))
     signal: dict[str, list[float]] = {name: [] for name in SIGNALS}
+    rollout = dict.fromkeys(ROLLOUT_TIMES, 0.0)
     for step in range(1, settings.steps + 1):
         metrics = run.step()
         for name, key in SIGNALS.items():
             signal[name].append(metrics[key])
+        for name, key in ROLLOUT_TIMES.items():
+            rollout[name] += metrics[key]
         for key in cost:
             cost[key] += metrics[f"budget/{key}"]
         if step in eval_steps(settings):
@@ -223,14 +282,19 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
             point.update(cost)
             point.update(evaluate(run, settings, final=step == settings.steps))
             points.append(point)
+    arm = ARMS[job.arm]
     return {
         "start": job.start,
         "arm": job.arm,
-        "method": ARMS[job.arm].method,
-        "budget": ARMS[job.arm].budget,
+        "method": arm.method,
+        "budget": arm.budget,
+        "select": arm.select,
+        "allocate": arm.allocate,
         "seed": job.seed,
         "seconds_per_update": run.train_seconds / settings.steps,
         **{name: statistics.fmean(values) for name, values in signal.items()},
+        **rollout,
+        "planner_share": rollout["planner_seconds"] / max(rollout["rollout_seconds"], 1e-9),
         "points": points,
     }
 
@@ -298,7 +362,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="override the updates per run")
     parser.add_argument("--seeds", type=int, help="override the seeds per arm (and headline)")
     parser.add_argument(
-        "--arms", type=_names(ARMS), help=f"a subset of the arms, comma-separated: {','.join(ARMS)}"
+        "--arms",
+        type=_names(ARMS),
+        help="the arms, comma-separated (default: the paper's "
+        f"{','.join(a.name for a in PAPER_ARMS)}; also {','.join(a.name for a in SELECTION_ARMS)})",
     )
     parser.add_argument(
         "--starts", type=_names(FULL.starts), help="a subset of the warm starts: standard,low"

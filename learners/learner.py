@@ -484,7 +484,12 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
     trees: list[Tree] = []
     groups: set[int] = set()
     budget = Budget()
-    metrics = {"queue/wait_s": 0.0, "tree/dropped_stale_groups": 0.0, "rollout/seconds": 0.0}
+    metrics = {
+        "queue/wait_s": 0.0,
+        "tree/dropped_stale_groups": 0.0,
+        "rollout/seconds": 0.0,
+        "rollout/planner_seconds": 0.0,
+    }
     staleness = 0
     while len(groups) < groups_needed:
         start = time.perf_counter()
@@ -501,6 +506,7 @@ def pull_batch(queue, groups_needed: int, version: int, max_lag: int) -> tuple[l
         for group_budget in info.budgets.values():
             budget.add(group_budget)
         metrics["rollout/seconds"] += info.rollout_seconds
+        metrics["rollout/planner_seconds"] += info.planner_seconds
     metrics["tree/staleness"] = staleness / max(len(trees), 1)
     metrics.update(budget_metrics(budget, len(groups)))
     metrics.update(prefix_cache_metrics(budget))

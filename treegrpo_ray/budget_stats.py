@@ -36,15 +36,16 @@ class Estimate:
         return {"mean": self.mean, "ci95": self.half_width, "n": self.n}
 
 
-def mean_ci(values: Sequence[float]) -> Estimate:
-    """Mean and 95% t-interval half-width ``t(0.975, n-1) * sd / sqrt(n)`` (sd with n - 1)."""
+def mean_ci(values: Sequence[float], alpha: float = ALPHA) -> Estimate:
+    """Mean and t-interval half-width ``t(1 - alpha/2, n-1) * sd / sqrt(n)`` (sd with n - 1; 95%
+    by default, a smaller ``alpha`` for a Bonferroni correction)."""
     n = len(values)
     if n == 0:
         raise ValueError("mean_ci needs at least one value")
     mean = statistics.fmean(values)
     if n == 1:
         return Estimate(mean, math.nan, 1)
-    t = stats.t.ppf(1 - ALPHA / 2, n - 1)
+    t = stats.t.ppf(1 - alpha / 2, n - 1)
     return Estimate(mean, float(t * statistics.stdev(values) / math.sqrt(n)), n)
 
 

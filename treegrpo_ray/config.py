@@ -26,7 +26,7 @@ from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients
 from treegrpo_ray.modeling import PromptFormat, TinyModelConfig
 from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
-from treegrpo_ray.planner import TreeShape
+from treegrpo_ray.planner import Selection, TreeShape
 
 
 class _Section(BaseModel):
@@ -132,9 +132,79 @@ class TreeConfig(_Section):
     n: int = Field(2, ge=0, description="Nodes expanded per tree per round; 0 = chain GRPO.")
     l: int = Field(1, ge=0, description="Expansion rounds.")  # noqa: E741 - the paper's name
     k: int | None = Field(None, gt=0, description="Leaves kept per tree; null keeps all.")
+    select: Literal["uniform", "entropy", "uncertainty"] = Field(
+        "uniform",
+        description="Which N nodes a round expands per tree (docs/algorithm.md): uniform (the "
+        "paper's: uniform draws with replacement), entropy (the N distinct nodes whose next "
+        "action had the highest mean token entropy, minus sibling_penalty per extra branch; after "
+        "AT2PO), uncertainty (N greedy picks of the largest sum of the subtree's reward "
+        "uncertainty, a count bonus and its actions' entropy; after InfoTree's UUCB).",
+    )
+    sibling_penalty: float = Field(
+        0.05,
+        ge=0,
+        description="entropy: score subtracted per branch a node already has beyond its first "
+        "(AT2PO's code uses 0.05).",
+    )
+    exploration: float = Field(
+        0.25,
+        ge=0,
+        description="uncertainty: c of the count bonus c * sqrt(ln(1 + branches of the tree) / "
+        "actions sampled from the node).",
+    )
+    entropy_weight: float = Field(
+        0.5,
+        ge=0,
+        description="uncertainty: weight of the token-weighted mean entropy (nats) of the "
+        "actions below the node.",
+    )
+    prior_strength: float = Field(
+        1.0,
+        gt=0,
+        description="uncertainty: pseudo-leaves at the prompt's mean reward added to a node's "
+        "leaves when estimating the uncertainty of its mean reward.",
+    )
+    allocate: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="How a round's M * N expansions per prompt are spread: fixed (the paper's: "
+        "N per tree) or adaptive (same total per round, moved from prompts whose leaves already "
+        "disagree to those whose leaves share one reward, most to the rarest rewards; "
+        "docs/algorithm.md).",
+    )
+    allocate_floor: int = Field(
+        1,
+        ge=0,
+        description="adaptive: expansions every tree keeps per round (at most n); the rest are "
+        "pooled. A tree gets at most 2 * n.",
+    )
+
+    @model_validator(mode="after")
+    def _floor_within_n(self) -> TreeConfig:
+        if self.allocate == "adaptive" and self.allocate_floor > self.n:
+            raise ValueError(
+                f"tree.allocate_floor {self.allocate_floor} exceeds tree.n {self.n}: a tree cannot "
+                f"keep more than its nominal expansions; use at most {self.n}"
+            )
+        return self
 
     def shape(self) -> TreeShape:
         return TreeShape(m=self.m, n=self.n, l=self.l, k=self.k)
+
+    def selection(self) -> Selection:
+        """The planner's selection and allocation settings."""
+        return Selection(
+            rule=self.select,
+            sibling_penalty=self.sibling_penalty,
+            exploration=self.exploration,
+            entropy_weight=self.entropy_weight,
+            prior_strength=self.prior_strength,
+            allocate=self.allocate,
+            allocate_floor=self.allocate_floor,
+        )
+
+    def reads_entropy(self) -> bool:
+        """Whether the selection rule reads the nodes' entropies."""
+        return self.select != "uniform"
 
 
 class SamplingConfig(_Section):
@@ -222,6 +292,14 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_model_len: int | None = Field(None, gt=0, description="Context length; null: model's.")
     max_lora_rank: int = Field(16, gt=0, description="Largest LoRA rank the engine accepts.")
+    entropy_topk: int = Field(
+        20,
+        ge=0,
+        description="Log-probs vLLM returns per sampled token (SamplingParams.logprobs) to "
+        "approximate the token's sampling entropy from the top k (a lower bound; its error is in "
+        "docs/engines.md); 0: no entropies "
+        "(then tree.select must be uniform). 20 is vLLM's default max_logprobs.",
+    )
 
     @model_validator(mode="after")
     def _fits_the_cpu_build(self) -> VLLMConfig:
@@ -489,6 +567,17 @@ class JobConfig(_Section):
             raise ValueError(
                 f"model.lora.rank ({lora.rank}) exceeds engine.vllm.max_lora_rank "
                 f"({vllm.max_lora_rank}), the largest adapter vLLM is started for; raise it"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _entropies_for_the_planner(self) -> JobConfig:
+        no_entropies = self.engine.kind == "vllm" and not self.engine.vllm.entropy_topk
+        if no_entropies and self.tree.reads_entropy():
+            raise ValueError(
+                f"tree.select {self.tree.select} reads token entropies, which vLLM reports only "
+                "with engine.vllm.entropy_topk > 0; set it (20 is vLLM's default limit) or use "
+                "tree.select uniform"
             )
         return self
 

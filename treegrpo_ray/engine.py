@@ -40,7 +40,9 @@ class GenerationResult:
     (logits / temperature, before top-p truncation; under T = 1 for greedy); finish_reason: ``stop``
     (a stop string ended it), ``length`` (max_new_tokens reached) or ``context`` (the model's context
     is full or the prefix alone exceeds it); prefill_tokens / cached_tokens: prefix tokens computed vs
-    served from a cache."""
+    served from a cache; entropies: per new token, the entropy (nats) of the distribution it was
+    sampled from (after temperature and top-p; 0 for greedy), exact or an engine's documented
+    approximation, None when the engine does not report them."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -48,6 +50,7 @@ class GenerationResult:
     prefill_tokens: int
     cached_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    entropies: list[float] | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ def format_valid_share(trees: list[Tree]) -> float:
 
 
 def tree_metrics(trees: list[Tree]) -> dict[str, float]:
-    """``tree/...`` statistics over the leaves of a batch of trees."""
+    """``tree/...`` statistics over the leaves of a batch of trees, and ``rollout/entropy_mean``:
+    the mean sampling entropy per action token (nats) the engine reported, where it did."""
     rewards_by_group: dict[int, list[float]] = defaultdict(list)
     depths = []
     for tree in trees:
@@ -42,6 +43,11 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
             depths.append(leaf.depth + 1)
     rewards = [r for group in rewards_by_group.values() for r in group]
     varied = [len(set(group)) > 1 for group in rewards_by_group.values()]
+    measured = [n for t in trees for n in t.nodes if n.entropy is not None and n.action_ids]
+    tokens = sum(len(n.action_ids) for n in measured)
+    entropy = (
+        {"rollout/entropy_mean": sum(n.entropy_mass for n in measured) / tokens} if tokens else {}
+    )
     return {
         "tree/reward_mean": statistics.fmean(rewards),
         "tree/leaves": float(len(rewards)),
@@ -50,6 +56,7 @@ def tree_metrics(trees: list[Tree]) -> dict[str, float]:
         "tree/groups_with_variance": statistics.fmean(varied),
         "tree/turns_mean": statistics.fmean(depths),
         "tree/format_valid_actions": format_valid_share(trees),
+        **entropy,
     }
 
 

@@ -36,6 +36,12 @@ NODE_SCHEMA = pa.schema(
         ("tool_call", pa.bool_()),
         # Prefix tokens of this node's generation that the engine served from its KV cache.
         ("cached_tokens", pa.int32()),
+        # Optional (null where unknown, DESIGN §9): the action's mean token entropy under the
+        # sampling distribution, and why the planner started this branch here (on the first node
+        # of each branch: its parent's selection score and a readable reason).
+        ("entropy", pa.float32()),
+        ("select_score", pa.float32()),
+        ("select_reason", pa.string()),
         # The prompt's token ids, stored once per tree: on its first row, null on the others.
         ("prompt_ids", pa.list_(pa.int32())),
     ]
@@ -47,13 +53,14 @@ NODE_COLUMNS = tuple(name for name in NODE_SCHEMA.names if name not in TREE_COLU
 @dataclass(frozen=True)
 class BatchInfo:
     """What travels with one tree batch (the Arrow schema's metadata): the lease it answers, the
-    policy version that generated it, the measured cost per prompt group and the rollout's wall
-    time."""
+    policy version that generated it, the measured cost per prompt group, the rollout's wall time
+    and the part of it the planner spent choosing expansions (selection and allocation)."""
 
     lease_id: int
     policy_version: int
     budgets: dict[int, Budget]
     rollout_seconds: float
+    planner_seconds: float = 0.0
 
     def to_json(self) -> str:
         budgets = {str(group): budget.to_dict() for group, budget in self.budgets.items()}
@@ -72,8 +79,11 @@ class AgentStep:
 
     ``reward`` is NaN except on leaves (``finished``). ``cached_tokens``: how many tokens of the
     prefix this action was generated from (prompt + path above it) the engine served from its KV
-    cache rather than computed. ``env_state`` is the environment state after
-    this step; it lets the tree branch from here and never leaves the rollout worker.
+    cache rather than computed. ``entropy``: mean entropy (nats) of the distributions the action's
+    tokens were sampled from (None: unknown, or no tokens). ``select_score`` / ``select_reason``:
+    on the first node of a branch, the score with which the planner chose to branch from this
+    node's parent and why (None elsewhere). ``env_state`` is the environment state after this
+    step; it lets the tree branch from here and never leaves the rollout worker.
     """
 
     node_id: int
@@ -89,11 +99,28 @@ class AgentStep:
     tool_call: bool
     reward: float = math.nan
     cached_tokens: int = 0
+    entropy: float | None = None
+    select_score: float | None = None
+    select_reason: str | None = None
     env_state: Any = field(default=None, repr=False, compare=False)
 
     @property
     def token_count(self) -> int:
         return len(self.action_ids) + len(self.obs_ids)
+
+    @property
+    def entropy_mass(self) -> float:
+        """Summed token entropy of the action (nats): ``entropy * len(action_ids)``, 0 for an
+        empty action; an estimate of the entropy of the whole action given its prefix (chain
+        rule)."""
+        if not self.action_ids:
+            return 0.0
+        if self.entropy is None:
+            raise ValueError(
+                f"node {self.node_id} has no entropy, which the selection / allocation rule "
+                "reads: use an engine that reports entropies (engine.vllm.entropy_topk > 0)"
+            )
+        return self.entropy * len(self.action_ids)
 
 
 @dataclass

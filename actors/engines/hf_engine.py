@@ -41,20 +41,26 @@ class _Row:
         self.generator = generator
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.entropies: list[float] = []
         self.finish_reason: str | None = None
 
     def sample(self, logits: torch.Tensor) -> None:
-        """Draw the next token from ``logits`` (V,) and record it with its log-prob."""
+        """Draw the next token from ``logits`` (V,) and record it with its log-prob and the exact
+        entropy of the distribution it was drawn from (``-sum p log p`` over the nucleus after
+        temperature; 0 for greedy, a point mass)."""
         params = self.request.params
         if params.temperature <= 0:
             token = int(torch.argmax(logits))
             logprob = torch.log_softmax(logits, dim=-1)[token]
+            entropy = 0.0
         else:
             probs = nucleus_probs(logits, params.temperature, params.top_p)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
             logprob = torch.log_softmax(logits / params.temperature, dim=-1)[token]
+            entropy = float(torch.special.entr(probs).sum())
         self.token_ids.append(token)
         self.logprobs.append(float(logprob))
+        self.entropies.append(entropy)
         self._check_finished()
 
     def _check_finished(self) -> None:
@@ -133,7 +139,7 @@ class HFEngine:
         runnable = []
         for i, request in enumerate(requests):
             if len(request.prefix_ids) >= self.max_positions:
-                results[i] = GenerationResult([], [], "context", prefill_tokens=0)
+                results[i] = GenerationResult([], [], "context", prefill_tokens=0, entropies=[])
             else:
                 runnable.append(i)
         if runnable:
@@ -179,6 +185,7 @@ class HFEngine:
                 finish_reason=row.finish_reason or "length",
                 prefill_tokens=len(row.request.prefix_ids) - cached,
                 cached_tokens=cached,
+                entropies=row.entropies,
             )
             for row, cached in zip(rows, prefill.cached, strict=True)
         ]

@@ -48,6 +48,11 @@ without it. What each vLLM call relies on (paths inside the ``vllm`` package):
   ``forward_native``) and V2 sampler (``v1/worker/gpu/sample/sampler.py`` ``Sampler.__call__``)
   both return ``log_softmax(logits / T)`` of the sampled token after top-k/top-p masking, and
   ``log_softmax(logits)`` for greedy rows. "raw_logprobs" would ignore the temperature.
+- Entropies: ``SamplingParams.logprobs = k`` (``engine.vllm.entropy_topk``) returns, per position,
+  the top-k log-probs of the same processed distribution plus the sampled token's
+  (``Sampler.gather_logprobs``); ``max_logprobs`` (``config/model.py``, default 20) caps k.
+  ``topk_entropy`` turns them into a lower bound of the sampling entropy (docs/engines.md gives the
+  bound and the error measured on the tiny policy). Greedy rows get entropy 0 (a point mass).
 - Stops and lengths: ``v1/core/sched/utils.py`` ``check_stop`` stops at the first token in
   ``stop_token_ids`` (kept in the output) before it checks ``max_tokens`` / ``max_model_len`` (both
   give ``finish_reason="length"``); prompts with ``len >= max_model_len`` raise for the whole batch
@@ -78,6 +83,7 @@ generation (``ignore_eos``).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -97,6 +103,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # sampling_params.py: 0 < T < 0.01 is raised to 0.01 (_MAX_TEMP), T > 2 is rejected.
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
+# config/model.py ModelConfig.max_logprobs: the most log-probs a request may ask for by default.
+VLLM_MAX_LOGPROBS = 20
 # KV-cache pool of a CPU engine unless engine.vllm.kv_cache_gib says otherwise.
 VLLM_CPU_KV_CACHE_GIB = 1.0
 
@@ -126,12 +134,13 @@ def lora_identity(version: int) -> tuple[str, int]:
 
 
 def sampling_kwargs(
-    params: SamplingParams, stop: StopStrings | None, max_tokens: int
+    params: SamplingParams, stop: StopStrings | None, max_tokens: int, entropy_topk: int = 0
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one segment of a request.
 
     Greedy when ``temperature <= 0``; stop strings kept in the output (the caller checks them
-    again); one log-prob per token (the sampled one); EOS is ignored.
+    again); the sampled token's log-prob, plus the top ``entropy_topk`` when sampling (for
+    ``topk_entropy``); EOS is ignored.
     """
     greedy = params.temperature <= 0
     if not greedy and not MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE:
@@ -151,7 +160,7 @@ def sampling_kwargs(
         "include_stop_str_in_output": True,
         "detokenize": stop is not None,
         "ignore_eos": True,
-        "logprobs": 0,
+        "logprobs": 0 if greedy else entropy_topk,
     }
 
 
@@ -166,6 +175,39 @@ def sampled_logprobs(
     ]
 
 
+def topk_entropy(logprobs: Sequence[float], k: int) -> float:
+    """Entropy (nats) of a distribution known through the log-probs of its top ``k`` tokens (and
+    maybe one more, the sampled token): ``-sum p ln p`` over them, plus ``-r ln min(r, p_k)`` for
+    the mass r they leave (p_k: the k-th largest probability). Every unknown token has
+    ``p <= min(r, p_k)``, so it adds at least ``p ln(1 / min(r, p_k))``: a lower bound of the
+    exact entropy, reached when the unknown mass sits in tokens of probability p_k, and short of it
+    by at most ``r ln((V - n) min(r, p_k) / r)`` (the unknown mass spread evenly over the V - n
+    unknown tokens of a V-token vocabulary)."""
+    probs = sorted((math.exp(lp) for lp in logprobs if lp > -math.inf), reverse=True)
+    rest = max(0.0, 1.0 - sum(probs))
+    known = -sum(p * math.log(p) for p in probs if p > 0)
+    if rest == 0.0 or not probs:
+        return known
+    cap = min(rest, probs[min(k, len(probs)) - 1])
+    return known - rest * math.log(cap)
+
+
+def segment_entropies(
+    params: SamplingParams, position_logprobs: Sequence[Mapping[int, Any]], entropy_topk: int
+) -> list[float] | None:
+    """Per position of a segment, the entropy of the distribution its token was drawn from: 0 for
+    greedy, ``topk_entropy`` of the returned log-probs when sampling with ``entropy_topk`` > 0,
+    None (unknown) otherwise."""
+    if params.temperature <= 0:
+        return [0.0] * len(position_logprobs)
+    if not entropy_topk:
+        return None
+    return [
+        topk_entropy([float(lp.logprob) for lp in step.values()], entropy_topk)
+        for step in position_logprobs
+    ]
+
+
 @dataclass
 class RequestProgress:
     """One request across its vLLM segments (see the module docstring on stop strings).
@@ -173,13 +215,15 @@ class RequestProgress:
     ``finish_reason`` is None while the request must go on; a prefix that fills the context, or a
     zero token budget, finishes it before any segment. prefill_tokens / cached_tokens count the
     prefix (first segment), so they add up to its length; resume_prefill_tokens counts the
-    earlier generated tokens that later segments had to run through the model again.
+    earlier generated tokens that later segments had to run through the model again. entropies:
+    per token, or None once a segment came without them.
     """
 
     request: GenerationRequest
     max_model_len: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] | None = field(default_factory=list)
     segments: int = 0
     prefill_tokens: int = 0
     cached_tokens: int = 0
@@ -208,9 +252,11 @@ class RequestProgress:
         logprobs: Sequence[float],
         vllm_finish_reason: str | None,
         num_cached_tokens: int | None,
+        entropies: Sequence[float] | None = None,
     ) -> None:
-        """Add one finished segment (its new tokens, their log-probs, vLLM's finish reason and its
-        prefix-cache hits) and decide whether the request is done."""
+        """Add one finished segment (its new tokens, their log-probs, vLLM's finish reason, its
+        prefix-cache hits and the tokens' entropies, if known) and decide whether the request is
+        done."""
         if vllm_finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a request with finish_reason={vllm_finish_reason!r}")
         cached = num_cached_tokens or 0
@@ -221,10 +267,16 @@ class RequestProgress:
         self.segments += 1
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
+        if entropies is None or self.entropies is None:
+            self.entropies = None
+        else:
+            self.entropies.extend(entropies)
         stop = self.request.stop
         end = stop.end(self.token_ids) if stop is not None else None
         if end is not None:
             del self.token_ids[end:], self.logprobs[end:]
+            if self.entropies is not None:
+                del self.entropies[end:]
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.request.params.max_new_tokens:
             self.finish_reason = "length"
@@ -246,6 +298,7 @@ class RequestProgress:
             prefill_tokens=self.prefill_tokens,
             cached_tokens=self.cached_tokens,
             extra=resumed if self.segments > 1 else {},
+            entropies=self.entropies,
         )
 
 
@@ -253,12 +306,14 @@ def generate_in_segments(
     requests: Sequence[GenerationRequest],
     max_model_len: int,
     run_segments: Callable[[Sequence[RequestProgress]], Sequence[Any]],
+    entropy_topk: int = 0,
 ) -> list[RequestProgress]:
     """Drive every request to a finish reason, one batched ``run_segments`` call per round.
 
     ``run_segments(progress)`` returns one vLLM ``RequestOutput`` per unfinished request, in order
-    (``outputs[0]`` a ``CompletionOutput``, plus ``num_cached_tokens``). A round only re-runs the
-    requests whose stop was not confirmed; each round adds at least one token to each, so it terminates.
+    (``outputs[0]`` a ``CompletionOutput``, plus ``num_cached_tokens``), with ``entropy_topk``
+    log-probs per sampled position (``segment_entropies``). A round only re-runs the requests
+    whose stop was not confirmed; each round adds at least one token to each, so it terminates.
     """
     progress = [RequestProgress(r, max_model_len) for r in requests]
     open_ = [p for p in progress if p.finish_reason is None]
@@ -266,11 +321,13 @@ def generate_in_segments(
         for p, output in zip(open_, run_segments(open_), strict=True):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
+            logprobs = sampled_logprobs(tokens, completion.logprobs)
             p.absorb(
                 tokens,
-                sampled_logprobs(tokens, completion.logprobs),
+                logprobs,
                 completion.finish_reason,
                 output.num_cached_tokens,
+                segment_entropies(p.request.params, completion.logprobs, entropy_topk),
             )
         open_ = [p for p in open_ if p.finish_reason is None]
     return progress
@@ -323,6 +380,8 @@ def engine_kwargs(
     }
     if enable_lora:
         kwargs |= {"max_lora_rank": vllm_lora_rank(settings.max_lora_rank), "max_loras": 1}
+    if settings.entropy_topk > VLLM_MAX_LOGPROBS:
+        kwargs["max_logprobs"] = settings.entropy_topk
     kv_cache_gib = settings.kv_cache_gib or (VLLM_CPU_KV_CACHE_GIB if on_cpu else None)
     chosen = {
         "block_size": settings.block_size or (VLLM_CPU_BLOCK_SIZE if on_cpu else None),
@@ -365,6 +424,7 @@ class VLLMEngine:
             ),
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.entropy_topk = settings.entropy_topk
         self.enable_lora = enable_lora
         self.version = 0
         self.stats = CacheStats()
@@ -374,7 +434,9 @@ class VLLMEngine:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Continue every request's prefix; results come back in request order."""
-        progress = generate_in_segments(requests, self.max_model_len, self._run_segments)
+        progress = generate_in_segments(
+            requests, self.max_model_len, self._run_segments, self.entropy_topk
+        )
         for p in progress:
             if p.segments:  # the request reached vLLM's prefix-cache lookup
                 self.stats.lookups += 1
@@ -400,7 +462,9 @@ class VLLMEngine:
         prompts, params = [], []
         for p in progress:
             prompts.append(TokensPrompt(prompt_token_ids=p.prompt_ids(), cache_salt=salt))
-            kwargs = sampling_kwargs(p.request.params, p.request.stop, p.remaining())
+            kwargs = sampling_kwargs(
+                p.request.params, p.request.stop, p.remaining(), self.entropy_topk
+            )
             params.append(VLLMSamplingParams(**kwargs))
         return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
 

@@ -120,7 +120,9 @@ def test_a_hub_id_the_hub_cannot_serve(treegrpo, tmp_path, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("bad", ["train.steps=0", "sampling.top_p=1.5", "ppo.advantage=grpo"])
+@pytest.mark.parametrize(
+    "bad", ["train.steps=0", "sampling.top_p=1.5", "ppo.advantage=grpo", "tree.select=greedy"]
+)
 def test_other_invalid_values(treegrpo, bad):
     result = treegrpo("train", "tiny-multihop", "--set", bad)
     _assert_one_line_error(result, bad.split("=")[0])
@@ -132,6 +134,21 @@ def test_a_block_size_the_cpu_build_of_vllm_refuses(treegrpo):
         "--set", "engine.vllm.block_size=16",
     )  # fmt: skip
     _assert_one_line_error(result, "engine.vllm.block_size 16", "multiple of 32")
+
+
+def test_an_allocation_floor_above_n(treegrpo):
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "tree.allocate=adaptive", "--set", "tree.allocate_floor=3",
+    )  # fmt: skip
+    _assert_one_line_error(result, "tree.allocate_floor 3 exceeds tree.n 2")
+
+
+def test_an_entropy_rule_on_vllm_without_entropies(treegrpo):
+    result = treegrpo(
+        "train", "tiny-multihop", "--set", "engine.kind=vllm", "--set", "engine.vllm.device=cpu",
+        "--set", "engine.vllm.entropy_topk=0", "--set", "tree.select=entropy",
+    )  # fmt: skip
+    _assert_one_line_error(result, "tree.select entropy reads token entropies", "entropy_topk")
 
 
 def test_vllm_engine_without_vllm_installed(treegrpo, tmp_path, monkeypatch):

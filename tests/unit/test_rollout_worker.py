@@ -70,3 +70,29 @@ def test_same_lease_seed_gives_the_same_trees(tiny_cfg, tiny_policy):
 
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
+
+
+@pytest.mark.parametrize(
+    "select,allocate", [("entropy", "fixed"), ("uncertainty", "adaptive"), ("uniform", "adaptive")]
+)
+def test_selection_rules_keep_the_step_total_and_label_their_branches(
+    tiny_cfg, tiny_policy, select, allocate
+):
+    tree = TreeConfig(m=2, n=2, l=1, select=select, allocate=allocate)
+    trees, info = _expand(tiny_cfg, tiny_policy, tree)
+    leaves = [len(t.leaves()) for t in trees]
+    assert sum(leaves) == 8 * 2 * 3  # M (1 + L N) per prompt, on average over the step
+    if allocate == "fixed":
+        assert leaves == [3] * 16
+    for t in trees:
+        assert all(n.entropy is not None and n.entropy >= 0 for n in t.nodes)
+        # the first node of every branch a round started says why; the initial chain's does not
+        labelled = [n for n in t.nodes if n.select_reason is not None]
+        assert len(labelled) == len(t.leaves()) - 1
+        assert all(n.select_reason.startswith(select) for n in labelled)
+        assert all(n.select_score is not None for n in labelled)
+    again, _ = _expand(tiny_cfg, tiny_policy, tree)
+    assert [n.action_ids for t in again for n in t.nodes] == [
+        n.action_ids for t in trees for n in t.nodes
+    ]
+    assert 0 <= info.planner_seconds <= info.rollout_seconds

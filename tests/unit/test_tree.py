@@ -29,6 +29,7 @@ def _node(finished=False, reward=math.nan, **kw):
         tool_call=not finished,
         reward=reward,
         cached_tokens=4,
+        entropy=0.75,
     )
     fields.update(kw)
     return fields
@@ -41,8 +42,12 @@ def _example_tree(tree_id=7, group_id=2):
     tree = Tree(tree_id=tree_id, group_id=group_id, prompt_ids=[1, 2, 3])
     tree.add(ROOT, **_node())
     tree.add(0, **_node(finished=True, reward=1.0, obs_ids=[]))
-    tree.add(0, **_node(finished=True, reward=0.25, obs_ids=[]))
-    tree.add(ROOT, **_node(finished=True, reward=0.0, obs_ids=[], finish_reason="length"))
+    tree.add(
+        0, **_node(finished=True, reward=0.25, obs_ids=[], select_score=0.5, select_reason="x")
+    )
+    tree.add(
+        ROOT, **_node(finished=True, reward=0.0, obs_ids=[], finish_reason="length", entropy=None)
+    )
     return tree
 
 
@@ -61,8 +66,11 @@ def test_arrow_round_trip_keeps_every_field():
     table = trees_to_arrow(trees, info)
     assert table.schema.names == NODE_SCHEMA.names
     assert table.num_rows == 8
-    # the prompt is stored once per tree
+    # the prompt is stored once per tree; the optional columns are null where unknown
     assert table.column("prompt_ids").null_count == 6
+    assert table.column("entropy").to_pylist()[:4] == [0.75, 0.75, 0.75, None]
+    assert table.column("select_score").to_pylist()[:4] == [None, None, 0.5, None]
+    assert table.column("select_reason").to_pylist()[:4] == [None, None, "x", None]
     back = trees_from_arrow(table)
     assert [(t.tree_id, t.group_id, t.prompt_ids) for t in back] == [
         (7, 2, [1, 2, 3]),

@@ -5,6 +5,7 @@ LoRA adapter files. Runs without vLLM: its outputs are replaced by hand-made tes
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from treegrpo_ray.actors.engines.vllm_engine import (
     lora_identity,
     sampled_logprobs,
     sampling_kwargs,
+    segment_entropies,
+    topk_entropy,
     vllm_lora_rank,
     write_peft_adapter,
 )
@@ -104,6 +107,13 @@ def test_sampling_kwargs_sampled_without_stops():
     kwargs = sampling_kwargs(SamplingParams(0.7, 0.9, 16, None), None, max_tokens=16)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["seed"]) == (0.7, 0.9, None)
     assert (kwargs["stop"], kwargs["detokenize"]) == (None, False)
+    assert kwargs["logprobs"] == 0
+
+
+def test_sampling_kwargs_ask_for_the_top_k_log_probs_only_when_sampling():
+    sampled = sampling_kwargs(SamplingParams(1.0), None, max_tokens=4, entropy_topk=20)
+    greedy = sampling_kwargs(SamplingParams(0.0), None, max_tokens=4, entropy_topk=20)
+    assert (sampled["logprobs"], greedy["logprobs"]) == (20, 0)
 
 
 @pytest.mark.parametrize("temperature", [0.005, 2.5])
@@ -122,12 +132,53 @@ def test_sampled_logprobs_picks_each_sampled_token():
         sampled_logprobs([5], None)
 
 
+def test_topk_entropy_is_a_lower_bound_from_the_top_k():
+    top = [math.log(0.5), math.log(0.25)]
+    # known 0.5 and 0.25, unknown r = 0.25, p_k = 0.25: 0.5 ln 2 + 0.25 ln 4 + 0.25 ln(1 / 0.25)
+    assert topk_entropy(top, k=2) == pytest.approx(1.5 * math.log(2))
+    # the exact distribution (0.5, 0.25, 0.125, 0.125) has 1.75 ln 2: short by 0.25 ln 2, the
+    # bound r ln((V - n) min(r, p_k) / r) = 0.25 ln(2 x 0.25 / 0.25) (the tail is spread evenly)
+    exact = -sum(p * math.log(p) for p in (0.5, 0.25, 0.125, 0.125))
+    assert exact - topk_entropy(top, k=2) == pytest.approx(0.25 * math.log(2))
+    # known 0.4 and 0.1, r = 0.5 but no unknown token above p_k = 0.1:
+    # 0.4 ln 2.5 + 0.1 ln 10 + 0.5 ln 10, exact when the tail is five tokens of 0.1
+    tail_at_cap = -sum(p * math.log(p) for p in (0.4, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1))
+    assert topk_entropy([math.log(0.4), math.log(0.1)], k=2) == pytest.approx(tail_at_cap)
+    # a sampled token outside the top k does not lower the cap: p_k is the k-th largest
+    assert topk_entropy([math.log(0.4), math.log(0.1), math.log(0.01)], k=2) == pytest.approx(
+        0.4 * math.log(2.5) + 0.1 * math.log(10) + 0.01 * math.log(100) + 0.49 * math.log(10)
+    )
+    # all the mass known: exact; tokens vLLM masked (top-p) report -inf and count for nothing
+    assert topk_entropy([math.log(0.5), math.log(0.5), -math.inf], k=3) == pytest.approx(
+        math.log(2)
+    )
+
+
+def test_segment_entropies_zero_for_greedy_none_without_top_k():
+    steps = completion([5, 6], [math.log(0.5), math.log(0.5)], "length").logprobs
+    assert segment_entropies(SamplingParams(0.0), steps, 20) == [0.0, 0.0]
+    assert segment_entropies(SamplingParams(1.0), steps, 0) is None
+    # each position knows only its sampled token's 0.5 (p_k = 0.5): 0.5 ln 2 + 0.5 ln 2
+    assert segment_entropies(SamplingParams(1.0), steps, 20) == pytest.approx([math.log(2)] * 2)
+
+
 # --- vLLM segments -> GenerationResult -----------------------------------------------------------
 
 
 def absorb(progress: RequestProgress, out: FakeCompletionOutput, cached: int | None = 0) -> None:
     tokens = out.token_ids
     progress.absorb(tokens, sampled_logprobs(tokens, out.logprobs), out.finish_reason, cached)
+
+
+def test_entropies_are_cut_with_the_tokens_and_unknown_once_a_segment_lacks_them():
+    p = RequestProgress(request([1], stop=STOP), max_model_len=64)
+    p.absorb([4], [-1.0], "stop", 0, [0.5])
+    p.absorb([7, 10, 5], [-1.0] * 3, "stop", 1, [0.25, 0.75, 1.0])
+    assert (p.token_ids, p.result().entropies) == ([4, 7, 10], [0.5, 0.25, 0.75])
+    p = RequestProgress(request([1], stop=STOP), max_model_len=64)
+    p.absorb([4], [-1.0], "stop", 0, [0.5])
+    p.absorb([7, 9], [-1.0] * 2, "stop", 1, None)
+    assert p.result().entropies is None
 
 
 def test_stop_string_ends_the_request_and_is_kept():
