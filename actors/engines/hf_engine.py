@@ -275,6 +275,7 @@ class HFEngine:
             position_ids=position_ids.to(self.device),
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,  # the LM head only where the next token is drawn
         )
         return out.logits[:, -1, :].float().cpu()
 
