@@ -112,6 +112,21 @@ def hub_policy(tmp_path_factory, tiny_cfg) -> HubPolicy:
     return HubPolicy(repo_id, cache, write_hub_snapshot(model_dir, cache, repo_id))
 
 
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A one-CPU local Ray for a test module, or the one an earlier module left running."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=1, include_dashboard=False, namespace="treegrpo-test", log_to_driver=False
+        )
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 def follow_records() -> Iterator:
     """``follow_records(metrics, writer_pid=None)``: yields each record of ``metrics.jsonl`` as

@@ -16,18 +16,6 @@ pytestmark = pytest.mark.integration
 TREE = TreeConfig(m=2, n=1, l=1)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    started = not ray.is_initialized()  # reuse a Ray that an earlier test module left running
-    if started:
-        ray.init(
-            num_cpus=1, include_dashboard=False, namespace="treegrpo-test", log_to_driver=False
-        )
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _worker_on_a_node_with(cache, model_path, cfg):
     """A rollout worker whose process sees ``cache`` as its node's (offline) Hugging Face cache."""
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}

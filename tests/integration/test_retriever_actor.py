@@ -18,20 +18,13 @@ NAME = retriever_actor_name("test-retriever")
 
 
 @pytest.fixture(scope="module")
-def client():
-    started = not ray.is_initialized()  # reuse a Ray that an earlier test module left running
-    if started:
-        ray.init(
-            num_cpus=1, include_dashboard=False, namespace="treegrpo-test", log_to_driver=False
-        )
+def client(local_ray):
     retriever = start_retriever(CFG, NAME, num_cpus=0)
     try:
         assert retriever.ready() == 200  # waits for the actor to build its index
         yield retriever
     finally:
         ray.kill(retriever.handle)
-        if started:
-            ray.shutdown()
 
 
 @ray.remote(num_cpus=0)  # the tasks and the actor share whatever CPUs the cluster has
