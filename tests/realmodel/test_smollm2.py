@@ -170,7 +170,7 @@ def test_one_tree_grpo_update_through_ray_trains_the_adapter(make_cfg, policy):
         "train.prompts_per_step=2",
         "train.eval_every=0",
         "train.checkpoint_every=1",
-        "train.final_eval_questions=2",
+        "train.final_eval_questions=1",
         "tree.n=1",
         preset="smollm2-135m-search-qa",
     )
