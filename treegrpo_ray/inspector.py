@@ -175,7 +175,11 @@ def _node_line(node: dict[str, Any]) -> str:
     if node["positive"] is not None:
         parts.append(f"(+{_number(node['positive'], '.3f')}/{_number(node['negative'], '.3f')})")
     parts.append(f"v{node['version']} cache {node['cached']}/{node['prefix']}")
-    extra = [f"{name}={node[name]}" for name in OPTIONAL_COLUMNS if node[name] is not None]
+    extra = [
+        f"{name}={_number(node[name], '.3f') if isinstance(node[name], float) else node[name]}"
+        for name in OPTIONAL_COLUMNS
+        if node[name] is not None
+    ]
     return "  ".join(parts + extra)
 
 
