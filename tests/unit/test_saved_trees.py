@@ -138,7 +138,7 @@ def test_adaptive_expansion_columns_are_shown_when_the_trees_carry_them():
     assert (
         render_text(step_view(table, {"step": 4}))
         .splitlines()[4]
-        .endswith("v3 cache 2/6  entropy=0.25  select_reason=entropy")
+        .endswith("v3 cache 2/6  entropy=0.250  select_reason=entropy")
     )
 
 
