@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from tqdm import tqdm
 
 from treegrpo_ray.actors.retriever import Retriever
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.atomic_dir import new_directory
 from treegrpo_ray.config import JobConfig, TreeConfig
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.search_qa import SearchQAEnv, SearchQATask
@@ -175,13 +173,11 @@ def protocol_warm_start(cfg: JobConfig, base: Path, progress: bool = True) -> Pa
     final = root / f"{base.name}-{cache_key(cfg, base)}"
     if (final / LOG_NAME).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.cluster.torch_threads)
     torch.manual_seed(cfg.warmstart.seed)
     started = time.perf_counter()
     log: dict[str, Any] = {"before": measure(cfg, base)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
+    with new_directory(final, LOG_NAME) as tmp:
         model, tokenizer = load_policy(base)
         adapted = with_lora_adapter(model, cfg.model.lora)
         log["losses"] = _train(cfg, adapted, tokenizer, progress)
@@ -193,12 +189,6 @@ def protocol_warm_start(cfg: JobConfig, base: Path, progress: bool = True) -> Pa
         (tmp / LOG_NAME).write_text(json.dumps(log, indent=1))
         if progress:
             print(report_line(log), file=sys.stderr)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / LOG_NAME).is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -16,17 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from treegrpo_ray.atomic_dir import new_directory
 from treegrpo_ray.config import WarmStartConfig
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
@@ -164,13 +162,11 @@ def warm_start(
     final = root / cache_key(task_cfg, model_cfg, ws_cfg)
     if (final / LOG_NAME).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
     torch.manual_seed(ws_cfg.seed)
     started = time.perf_counter()
     task = MultihopTask(task_cfg)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-    try:
+    with new_directory(final, LOG_NAME) as tmp:
         tokenizer = build_word_tokenizer(task.vocabulary(), tmp)
         vocab = tokenizer.get_vocab()
         model = build_tiny_model(model_cfg, len(vocab), ws_cfg.seed)
@@ -184,10 +180,4 @@ def warm_start(
             "warmstart": ws_cfg.model_dump(),
         }
         (tmp / LOG_NAME).write_text(json.dumps(log, indent=1))
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / LOG_NAME).is_file():  # not a lost race with another writer
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final

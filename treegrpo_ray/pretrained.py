@@ -17,13 +17,11 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
-import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from treegrpo_ray.atomic_dir import new_directory
 from treegrpo_ray.errors import UserInputError
 
 DEFAULT_CACHE = "~/.cache/treegrpo/models"
@@ -95,23 +93,17 @@ def prepare_model(name: str, cache_dir: str | Path = DEFAULT_CACHE) -> Path:
     if (final / MARKER).is_file():
         return final
     source = gguf_path(packaged_model(name))
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:
-        _convert(source, tmp)
-        (tmp / MARKER).write_text(json.dumps({"name": name, "source": str(source)}))
-        os.rename(tmp, final)
+        with new_directory(final, MARKER) as tmp:
+            _convert(source, tmp)
+            (tmp / MARKER).write_text(json.dumps({"name": name, "source": str(source)}))
     except OSError as err:
-        if (final / MARKER).is_file():  # another process finished first
-            return final
         if err.errno == errno.ENOSPC:
             raise UserInputError(
                 f"no space left in {final.parent} to write {name} (~0.6 GB); free some space "
                 f"or pass --cache-dir to a larger disk"
             ) from err
         raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
