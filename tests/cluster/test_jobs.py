@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "jobs-e2e"
-STEPS = 6
+STEPS = 3
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
