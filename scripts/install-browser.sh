@@ -7,7 +7,7 @@
 set -euo pipefail
 
 if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
-    echo "install-browser: already installed: $(/usr/bin/chromium --version); $(/usr/bin/chromedriver --version)"
+    echo "install-browser: already installed: $(/usr/bin/chromium --version 2>/dev/null); $(/usr/bin/chromedriver --version)"
     exit 0
 fi
 command -v apt-get >/dev/null || {
@@ -30,4 +30,4 @@ for program in /usr/bin/chromium /usr/bin/chromedriver; do
         exit 1
     }
 done
-echo "install-browser: installed: $(/usr/bin/chromium --version); $(/usr/bin/chromedriver --version)"
+echo "install-browser: installed: $(/usr/bin/chromium --version 2>/dev/null); $(/usr/bin/chromedriver --version)"
