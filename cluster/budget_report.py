@@ -384,6 +384,7 @@ def plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     starts = list(result["starts"])
     fig, axes = plt.subplots(
@@ -408,6 +409,10 @@ def plot(
                 if pts:
                     ax.errorbar(xs, ys, yerr=errs, marker=marker, capsize=3, label=family)
             ax.set_xscale("log", base=2)
+            # a log axis within one power of two has no major tick: label plain numbers
+            ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins=6))
+            ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(ticker.NullFormatter())
             ax.set_title(f"{start} warm start: {metric.replace('_em', ' EM').replace('_', ' ')}")
             ax.set_ylabel(ylabel)
             ax.set_xlabel("generated tokens per prompt (measured)")
