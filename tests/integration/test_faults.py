@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -17,10 +18,18 @@ pytestmark = pytest.mark.integration
 
 
 class RunningJob:
-    """``train`` in a thread; ``controller`` is set (an event) as soon as the job has one."""
+    """``train`` in a thread; ``controller`` is set (an event) as soon as the job has one.
+
+    The test's own Ray calls (``call``, ``kill_actor``) run on a thread of their own, new to Ray.
+    Ray derives task ids from a per-thread context that outlives ``ray.shutdown``: the pytest
+    main thread keeps the driver task id of the last session it started, which is the id the
+    job's thread gets in this one (job 01000000 again), so both threads would number tasks to
+    the controller from the same parent id, and a repeated id aborts the process ("Tried to
+    create an owned object that already exists")."""
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-calls")
         self.started = threading.Event()
         self.outcome = {}
         self.thread = threading.Thread(target=self._train, daemon=True)
@@ -40,9 +49,15 @@ class RunningJob:
         self.started.set()
 
     def call(self, method, *args, **kwargs):
-        return ray.get(getattr(self.controller, method).remote(*args, **kwargs))
+        remote = getattr(self.controller, method).remote
+        return self.caller.submit(lambda: ray.get(remote(*args, **kwargs))).result()
+
+    def kill_actor(self, actor):
+        """Kill ``actor`` (Ray restarts it: ``no_restart=False``)."""
+        self.caller.submit(ray.kill, actor, no_restart=False).result()
 
     def finish(self):
+        self.caller.shutdown()
         self.thread.join(timeout=900)
         if "error" in self.outcome:
             raise self.outcome["error"]
@@ -79,7 +94,7 @@ def test_a_rollout_worker_killed_mid_step_is_restarted_and_its_lease_reissued(jo
 
     busy = job.call("workers_with_lease", timeout=300)
     assert busy, "no lease was issued"
-    ray.kill(next(iter(busy.values())), no_restart=False)  # dies mid-lease; Ray restarts it
+    job.kill_actor(next(iter(busy.values())))  # dies mid-lease; Ray restarts it
 
     summary = job.finish()
     _assert_each_group_once(cfg, summary)
