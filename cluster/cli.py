@@ -76,10 +76,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in JOB_COMMANDS:  # before any import of torch: status, logs, stop stay quick
+        return run_job_command(args)
     from treegrpo_ray.config import load_config, preset_names
 
-    if args.command in JOB_COMMANDS:
-        return run_job_command(args)
     if args.command == "bench":
         from treegrpo_ray.cluster.budget_suite import run_from_args
 

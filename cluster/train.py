@@ -23,7 +23,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
-from treegrpo_ray.cluster.controller import NAMESPACE, Controller, controller_name
+from treegrpo_ray.cluster.controller import Controller
+from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError

@@ -232,6 +232,22 @@ def test_unreachable_address_is_one_line(monkeypatch):
     _assert_one_line_error(_cli("logs", "some-job"), address, "--address", "RAY_ADDRESS")
 
 
+def test_job_commands_and_the_scaler_load_no_torch():
+    """`status`, `logs`, `stop` and the short job `scale` submits answer in a second or two: they
+    import neither torch nor transformers (each costs seconds to import)."""
+    probe = (
+        "import sys\n"
+        "import treegrpo_ray.cluster.scale\n"
+        "from treegrpo_ray.cluster.cli import main\n"
+        "code = main(['status', '--address', 'http://127.0.0.1:1'])\n"
+        "print(code, sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.stdout.strip() == "2 []", (result.stdout, result.stderr)
+
+
 def test_bad_submissions_fail_before_reaching_the_cluster(with_token, tmp_path):
     url = with_token.dashboard_url
     before = _cli("status", "--address", url).stdout
