@@ -1,6 +1,7 @@
 """The ``treegrpo`` command.
 
-Errors in user input (configs, paths) print one line and exit with code 2, without a traceback.
+Errors in user input (configs, paths) print one line and exit with code 2, without a traceback;
+Ctrl-C stops a run cleanly (its Ray workers shut down), says what was kept, exit code 130.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from treegrpo_ray.cluster.jobs import JOB_COMMANDS, add_job_commands, run_job_command
 from treegrpo_ray.errors import TrainingStopped, UserInputError
+
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,10 +79,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in JOB_COMMANDS:  # before any import of torch: status, logs, stop stay quick
+        return run_job_command(args)
     from treegrpo_ray.config import load_config, preset_names
 
-    if args.command in JOB_COMMANDS:
-        return run_job_command(args)
     if args.command == "bench":
         from treegrpo_ray.cluster.budget_suite import run_from_args
 
@@ -108,11 +111,21 @@ def _run(args: argparse.Namespace) -> int:
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0
-    from treegrpo_ray.cluster.train import train
+    from treegrpo_ray.cluster.train import checkpoint_step, train
 
-    summary = train(
-        cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
-    )
+    try:
+        summary = train(
+            cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
+        )
+    except KeyboardInterrupt:  # its Ray workers are shut down; say what was kept
+        step = checkpoint_step(cfg)
+        kept = (
+            f"`treegrpo train --resume {cfg.run_dir}` continues from update {step}"
+            if step is not None
+            else f"{cfg.run_dir} holds no checkpoint yet (train.checkpoint_every)"
+        )
+        print(f"treegrpo: interrupted; {kept}", file=sys.stderr)
+        return INTERRUPTED
     print(summary["line"])
     return 0
 
@@ -142,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except KeyboardInterrupt:
+        print("treegrpo: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except UserInputError as err:
         print(f"treegrpo: error: {err}", file=sys.stderr)
         return 2

@@ -36,7 +36,6 @@ from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
 from treegrpo_ray.config import JobConfig
 
-NAMESPACE = "treegrpo"
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
 BUDGET_TOTALS = (
     "budget/generated_tokens",
@@ -47,11 +46,6 @@ BUDGET_TOTALS = (
 PLACEMENT_TIMEOUT_S = 120  # a new rollout worker that cannot be placed by then is given up
 POLL_S = 0.2  # the lease loop's longest wait before it looks at stop / pause / scale requests
 PUT_TIMEOUT_S = 60  # the longest wait for room in the queue for a failure message
-
-
-def controller_name(run_name: str) -> str:
-    """The named actor of run ``run_name`` (in namespace ``NAMESPACE``)."""
-    return f"treegrpo-controller-{run_name}"
 
 
 class Controller:

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from treegrpo_ray.cluster.controller import NAMESPACE, controller_name
+from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 
 POLL_S = 0.5  # Ray has no way to wait for a named actor to appear
 

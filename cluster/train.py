@@ -23,7 +23,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
-from treegrpo_ray.cluster.controller import NAMESPACE, Controller, controller_name
+from treegrpo_ray.cluster.controller import Controller
+from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
@@ -202,15 +203,22 @@ def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(run_dir)
 
 
-def resume_step(cfg: JobConfig) -> int:
-    """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
+def checkpoint_step(cfg: JobConfig) -> int | None:
+    """The policy version of ``RUN/checkpoints/latest``; None when the run saved none yet."""
     latest = latest_checkpoint(cfg.run_dir / "checkpoints")
     if latest is None:
+        return None
+    return json.loads((latest / "trainer_state.json").read_text())["policy_version"]
+
+
+def resume_step(cfg: JobConfig) -> int:
+    """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
+    step = checkpoint_step(cfg)
+    if step is None:
         raise UserInputError(
             f"cannot resume {cfg.run_dir}: it holds no checkpoint yet (train.checkpoint_every "
             "was 0, or the job ended before the first); start it again with --overwrite"
         )
-    step = json.loads((latest / "trainer_state.json").read_text())["policy_version"]
     if step >= cfg.train.steps:
         raise UserInputError(
             f"cannot resume {cfg.run_dir}: its checkpoint is at step {step} and train.steps is "

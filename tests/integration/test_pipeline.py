@@ -1,12 +1,16 @@
 """End to end through the real Ray pipeline: local Ray, rollout actor, queue, Ray Train learner."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -19,6 +23,8 @@ from treegrpo_ray.config import resume_config
 from treegrpo_ray.saved_trees import read_saved_trees
 
 pytestmark = pytest.mark.integration
+# A stopped run's Ray processes exit while it shuts Ray down; this bounds a wait for stragglers.
+STOPPED_PROCESS_WAIT_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +144,15 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     two_step_run, make_cfg, tiny_cfg, tmp_path, follow_records, two_step_overrides
 ):
     """Same-machine reproducibility under load: the 2-update run again, while a second training
-    (its own Ray instance, in another process) keeps both cores busy."""
+    (its own Ray instance, in another process) keeps both cores busy. That one is then stopped
+    with Ctrl-C (SIGINT): it says what it kept and exits, and its Ray instance is gone."""
     cfg, summary = two_step_run(learners=1)
     other_runs = tmp_path / "other"
+    other_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
     other = subprocess.Popen(
         [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop", "--quiet"]
         + [a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s)],
+        env={**os.environ, "RAY_TMPDIR": str(other_ray)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -155,12 +164,29 @@ def test_a_run_alongside_another_training_gives_the_same_records(
         assert started is not None, other.stderr.read()  # it exited before its first step
         again = make_cfg("name=e2e-again", *two_step_overrides(learners=1))
         train(again, progress=False)
+        other_ray_processes = _processes_naming(other_ray)
+        assert other_ray_processes  # the check below looks where its Ray runs
     finally:
-        other.kill()
-        other.wait()
+        other.send_signal(signal.SIGINT)
+        _, stderr = other.communicate()  # pytest's timeout bounds the wait
     expected, got = (_read_records(c.run_dir) for c in (cfg, again))
     assert [_repeatable(r) for r in got] == [_repeatable(r) for r in expected]
     assert _same_tensors(cfg.run_dir / "checkpoint-final", again.run_dir / "checkpoint-final")
+
+    assert other.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("treegrpo: interrupted; "), stderr[-3000:]
+    _, left = psutil.wait_procs(other_ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
+    assert not left, [p.info["cmdline"] for p in left]
+    shutil.rmtree(other_ray, ignore_errors=True)
+
+
+def _processes_naming(path: Path) -> list[psutil.Process]:
+    """The processes whose command line names ``path`` (a Ray instance's under its temp dir)."""
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"{path}/" in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def _long_run(tiny_cfg, output_dir):

@@ -167,7 +167,7 @@ def test_one_tree_grpo_update_through_ray_trains_the_adapter(make_cfg, policy):
         *TEST_OVERRIDES,
         "name=smollm2-update",
         "train.steps=1",
-        "train.prompts_per_step=2",
+        "train.prompts_per_step=1",
         "train.eval_every=0",
         "train.checkpoint_every=1",
         "train.final_eval_questions=1",
@@ -177,7 +177,7 @@ def test_one_tree_grpo_update_through_ray_trains_the_adapter(make_cfg, policy):
     summary = train(cfg, progress=False)
     assert summary["steps"] == 1 and summary["rollout/worker_versions"] == [1]
     record = json.loads((cfg.run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["learner/policy_version"] == 1 and record["tree/leaves"] == 2 * 2 * 2
+    assert record["learner/policy_version"] == 1 and record["tree/leaves"] == 2 * 2  # M x (1 + N)
     adapter = load_file(str(cfg.run_dir / "checkpoints" / "step-000001" / "adapter.safetensors"))
     lora_b = [t for name, t in adapter.items() if "lora_B" in name]
     assert lora_b and all(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: it trained
