@@ -1,5 +1,6 @@
 """End to end through the real Ray pipeline: local Ray, rollout actor, queue, Ray Train learner."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -149,14 +151,15 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     cfg, summary = two_step_run(learners=1)
     other_runs = tmp_path / "other"
     other_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
-    other = subprocess.Popen(
-        [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop", "--quiet"]
-        + [a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s)],
-        env={**os.environ, "RAY_TMPDIR": str(other_ray)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with _sigint_not_ignored():
+        other = subprocess.Popen(
+            [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop", "--quiet"]
+            + [a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s)],
+            env={**os.environ, "RAY_TMPDIR": str(other_ray)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     try:
         # Once the other training has written a record it is past its start-up.
         other_metrics = other_runs / "tiny-multihop" / "metrics.jsonl"
@@ -168,7 +171,11 @@ def test_a_run_alongside_another_training_gives_the_same_records(
         assert other_ray_processes  # the check below looks where its Ray runs
     finally:
         other.send_signal(signal.SIGINT)
-        _, stderr = other.communicate()  # pytest's timeout bounds the wait
+        try:
+            _, stderr = other.communicate()  # pytest's timeout bounds the wait
+        finally:
+            if other.poll() is None:  # the test failed waiting: no training left behind
+                other.terminate()  # Ray's handler exits through train()'s cleanup
     expected, got = (_read_records(c.run_dir) for c in (cfg, again))
     assert [_repeatable(r) for r in got] == [_repeatable(r) for r in expected]
     assert _same_tensors(cfg.run_dir / "checkpoint-final", again.run_dir / "checkpoint-final")
@@ -178,6 +185,18 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     _, left = psutil.wait_procs(other_ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
     assert not left, [p.info["cmdline"] for p in left]
     shutil.rmtree(other_ray, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored() -> Iterator[None]:
+    """Children started inside get SIGINT's default action. A shell's background job (``cmd &``)
+    starts with SIGINT ignored, exec keeps an ignored signal ignored, and Python then installs
+    no KeyboardInterrupt handler: Ctrl-C could not be tested under such a pytest."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # reset to default by exec
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _processes_naming(path: Path) -> list[psutil.Process]:
