@@ -146,36 +146,50 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     two_step_run, make_cfg, tiny_cfg, tmp_path, follow_records, two_step_overrides
 ):
     """Same-machine reproducibility under load: the 2-update run again, while a second training
-    (its own Ray instance, in another process) keeps both cores busy. That one is then stopped
-    with Ctrl-C (SIGINT): it says what it kept and exits, and its Ray instance is gone."""
+    (its own Ray instance, in another process) starts and trains beside it on the same cores.
+    That one is then stopped with Ctrl-C (SIGINT): it says what it kept and exits, and its Ray
+    instance is gone."""
     cfg, summary = two_step_run(learners=1)
     other_runs = tmp_path / "other"
     other_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
-    with _sigint_not_ignored():
-        other = subprocess.Popen(
-            [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop", "--quiet"]
-            + [a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s)],
-            env={**os.environ, "RAY_TMPDIR": str(other_ray)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    started: list[subprocess.Popen] = []
+
+    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop"]
+    command += ["--quiet", *(a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s))]
+
+    def start_other(_controller) -> None:
+        """Called once this run's Ray is up (two Ray instances starting at once could race for a
+        port): the other training starts while this one starts Ray Train and trains."""
+        with _sigint_not_ignored():
+            started.append(
+                subprocess.Popen(
+                    command,
+                    env={**os.environ, "RAY_TMPDIR": str(other_ray)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+
+    again = make_cfg("name=e2e-again", *two_step_overrides(learners=1))
     try:
-        # Once the other training has written a record it is past its start-up.
+        train(again, progress=False, on_start=start_other)
+        (other,) = started
+        # Its first record: it was busy all along (start-up, then training; it cannot end before
+        # it is stopped), and it is stopped while it trains.
         other_metrics = other_runs / "tiny-multihop" / "metrics.jsonl"
-        started = next(follow_records(other_metrics, writer_pid=other.pid), None)
-        assert started is not None, other.stderr.read()  # it exited before its first step
-        again = make_cfg("name=e2e-again", *two_step_overrides(learners=1))
-        train(again, progress=False)
+        first = next(follow_records(other_metrics, writer_pid=other.pid), None)
+        assert first is not None, other.stderr.read()  # it exited before its first step
         other_ray_processes = _processes_naming(other_ray)
         assert other_ray_processes  # the check below looks where its Ray runs
     finally:
-        other.send_signal(signal.SIGINT)
-        try:
-            _, stderr = other.communicate()  # pytest's timeout bounds the wait
-        finally:
-            if other.poll() is None:  # the test failed waiting: no training left behind
-                other.terminate()  # Ray's handler exits through train()'s cleanup
+        for other in started:
+            other.send_signal(signal.SIGINT)
+            try:
+                _, stderr = other.communicate()  # pytest's timeout bounds the wait
+            finally:
+                if other.poll() is None:  # the test failed waiting: no training left behind
+                    other.terminate()  # Ray's handler exits through train()'s cleanup
     expected, got = (_read_records(c.run_dir) for c in (cfg, again))
     assert [_repeatable(r) for r in got] == [_repeatable(r) for r in expected]
     assert _same_tensors(cfg.run_dir / "checkpoint-final", again.run_dir / "checkpoint-final")
@@ -239,25 +253,20 @@ def _same_tensors(a, b):
 
 
 def test_trees_over_the_token_budget_are_split_and_trained(make_cfg, tiny_policy):
+    """In process (the learner is the Ray job's: ``test_the_in_process_loop_reproduces_the_ray_job``
+    shows the records are the same)."""
     # The step's four trees hold 60, 60, 138 and 208 tokens and their longest path 80 (measured
     # on the tests' warm start): a budget of 100 splits the two large trees.
-    cfg = make_cfg(
-        "name=split-trees",
-        "ppo.micro_batch_tokens=100",
-        "train.steps=1",
-        "train.prompts_per_step=2",
-        "train.final_eval_questions=8",
-    )
-    summary = train(cfg, progress=False)
+    cfg = make_cfg("name=split-trees", "ppo.micro_batch_tokens=100", "train.prompts_per_step=2")
+    run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
+    record = run.step()
 
-    assert summary["steps"] == 1
-    (record,) = _read_records(cfg.run_dir)
     assert record["learner/split_trees"] > 0 and record["learner/split_extra_tokens"] > 0
     assert record["learner/tokens_forwarded"] == (
         record["learner/tokens"] + record["learner/split_extra_tokens"]
     )
     assert record["learner/skipped_updates"] == 0
-    assert not _same_tensors(Path(tiny_policy), cfg.run_dir / "checkpoint-final")
+    assert not _same_tensors_as(run.learner.model, Path(tiny_policy))
 
 
 def test_a_path_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, tmp_path, capsys):

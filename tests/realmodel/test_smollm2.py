@@ -44,6 +44,7 @@ TEST_OVERRIDES = [
     "warmstart.batch_size=3",
     "warmstart.eval_questions=1",
     "task.search_qa.max_turns=3",
+    "task.search_qa.top_k=1",  # one passage per search: shorter prompts, same protocol
     "sampling.max_action_tokens=32",
 ]
 
