@@ -60,6 +60,7 @@ from rollout_prefix_cache import (
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker, make_engine
 from treegrpo_ray.actors.schedule import Lease
+from treegrpo_ray.cluster.local_ray import init_local_ray
 from treegrpo_ray.config import (
     EngineConfig,
     JobConfig,
@@ -289,8 +290,7 @@ def markdown(results: dict) -> str:
 def start_hosts(threads: int) -> tuple[dict[str, Any], dict[str, float]]:
     """One ``ArmHost`` actor per engine, each with ``threads`` torch threads; returns them and the
     seconds each took to import its engine."""
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as cluster/train.py: no nice 15 workers
-    ray.init(
+    init_local_ray(
         num_cpus=threads, include_dashboard=False, logging_level="WARNING", log_to_driver=False
     )
     ray.cloudpickle.register_pickle_by_value(rollout_prefix_cache)  # workers cannot import it

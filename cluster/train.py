@@ -24,6 +24,7 @@ from ray.train.torch import TorchTrainer
 from tqdm import tqdm
 
 from treegrpo_ray.cluster.controller import Controller
+from treegrpo_ray.cluster.local_ray import init_local_ray
 from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
@@ -86,11 +87,8 @@ def _connect(cfg: JobConfig) -> bool:
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
         return True
-    # Ray starts its workers at nice 15 (to keep its own daemons responsive on a busy node); on a
-    # machine the run shares, that lets any other program starve the rollout workers and learners.
-    os.environ.setdefault("RAY_worker_niceness", "0")
     need = required_resources(cfg)
-    ray.init(
+    init_local_ray(
         num_cpus=math.ceil(need.pop("CPU")),
         num_gpus=math.ceil(need.pop("GPU", 0)),
         resources=need,

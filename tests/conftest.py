@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,12 +16,6 @@ import pytest
 from treegrpo_ray.config import JobConfig, load_config
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
-
-# Ray starts its workers at nice 15. The fixtures below that start Ray themselves (`local_ray`, the
-# engine conformance hosts) run them at 0, as `treegrpo train` does (cluster/train.py): at nice 15,
-# any other program on the machine starves them (a vLLM engine host got 13% of a core beside two
-# busy loops, and its test ran past pytest's timeout).
-os.environ.setdefault("RAY_worker_niceness", "0")
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150
@@ -124,9 +117,11 @@ def local_ray() -> Iterator[None]:
     """A one-CPU local Ray for a test module, or the one an earlier module left running."""
     import ray
 
+    from treegrpo_ray.cluster.local_ray import init_local_ray
+
     started = not ray.is_initialized()
     if started:
-        ray.init(
+        init_local_ray(
             num_cpus=1, include_dashboard=False, namespace="treegrpo-test", log_to_driver=False
         )
     yield

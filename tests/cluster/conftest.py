@@ -28,6 +28,8 @@ import psutil
 import pytest
 import requests
 
+from treegrpo_ray.cluster.local_ray import WORKER_NICENESS_ENV
+
 NODE_RESOURCES = ({"learner_node": 1}, {"rollout_node": 1})  # head, second node
 START_TIMEOUT_S = 180
 
@@ -144,7 +146,7 @@ def start_cluster(
         RAY_AUTH_MODE="token",
         RAY_AUTH_TOKEN_PATH=str(token_path),
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-        RAY_worker_niceness="0",  # as `treegrpo train` starts Ray: tests share the machine
+        **WORKER_NICENESS_ENV,  # as `treegrpo train` starts Ray: tests share the machine
         **(extra_env or {}),
     )
     gcs_port, dashboard_port = _free_ports(2)

@@ -26,6 +26,7 @@ import torch
 
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.engines.vllm_engine import vllm_runs_here
+from treegrpo_ray.cluster.local_ray import init_local_ray
 from treegrpo_ray.config import VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import (
     Engine,
@@ -105,7 +106,7 @@ def engine_hosts() -> Iterator[list]:
     """Ray, and the module's ``EngineHost`` actors (a test uses up to two engines at once)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        init_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     # The actor's class travels by value: Ray's workers cannot import a test module.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     hosts: list = []
