@@ -1,8 +1,9 @@
 """The package as users get it: a non-editable install of the image's file set, used elsewhere.
 
 The files that ``cluster/deploy/Dockerfile`` copies into the image are copied to a temporary
-directory and installed from there, without ``-e``, into a new virtual environment (the machine's
-packages visible, so that nothing is downloaded: only this package is built). From a directory
+directory and installed from there, without ``-e``, into a new virtual environment that sees the
+packages of the environment running the tests (a venv's, or the base interpreter's), so that
+nothing is downloaded: only this package is built. From a directory
 outside both, the installed ``treegrpo`` shows its help, trains 2 updates of the tiny preset on a
 local Ray instance, and runs the RayJob manifest's entrypoint up to the point where it needs the
 GPU model directory that the image mounts.
@@ -14,6 +15,7 @@ import json
 import os
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -48,14 +50,38 @@ def _image_file_set(dest: Path) -> Path:
     return dest
 
 
+def _site_dirs_of_this_environment() -> list[str]:
+    """The site-packages directories the running interpreter imports from: a venv's own (and the
+    base's, when the venv includes them), or the base interpreter's."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def _new_venv_seeing_this_environment(env_dir: Path) -> Path:
+    """A new venv whose interpreter also imports this environment's packages; returns its python.
+
+    ``system_site_packages=True`` would show the *base* interpreter's packages, not those of the
+    venv the tests may run in (venvs do not nest). A ``.pth`` line that calls ``site.addsitedir``
+    adds each directory with its own ``.pth`` files, after the new venv's site-packages, so the
+    copy installed there is the one imported."""
+    venv.create(env_dir, system_site_packages=False, with_pip=False)
+    python = env_dir / "bin" / "python"
+    ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = subprocess.run([python, "-c", ask], capture_output=True, text=True, check=True)
+    lines = [f"import site; site.addsitedir({d!r})" for d in _site_dirs_of_this_environment()]
+    Path(purelib.stdout.strip(), "_test_env_packages.pth").write_text("\n".join(lines) + "\n")
+    return python
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The bin/ directory of a new venv with the image's file set installed (not editable)."""
     root = tmp_path_factory.mktemp("install")
     source = _image_file_set(root / "image")
     env_dir = root / "venv"
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
-    python = env_dir / "bin" / "python"
+    python = _new_venv_seeing_this_environment(env_dir)
     pip = [str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q"]
     done = subprocess.run([*pip, str(source)], capture_output=True, text=True, cwd=root)
     assert done.returncode == 0, done.stderr
