@@ -18,25 +18,43 @@ from typing import Any
 from treegrpo_ray.config import VLLMConfig
 
 
-def vllm_actor_options(settings: VLLMConfig, num_cpus: float = 1) -> dict[str, Any]:
-    """Options for ``ray.remote(RolloutWorker).options(**...)`` running a ``VLLMEngine``.
+def tensor_parallel_bundles(
+    settings: VLLMConfig, num_cpus: float = 1, resources: dict[str, float] | None = None
+) -> list[dict[str, float]]:
+    """The placement group of a TP > 1 engine: one GPU per rank; bundle 0 also holds what the
+    actor itself asks for, its CPUs and custom resources (``cluster.rollout_resources``), since
+    an actor placed in a bundle can take only what that bundle reserved."""
+    first = {"GPU": 1, "CPU": num_cpus, **(resources or {})}
+    return [first] + [{"GPU": 1}] * (settings.tensor_parallel_size - 1)
+
+
+def vllm_actor_options(
+    settings: VLLMConfig, num_cpus: float = 1, resources: dict[str, float] | None = None
+) -> dict[str, Any]:
+    """Options for ``ray.remote(RolloutWorker).options(**...)`` running a ``VLLMEngine``, with
+    the custom ``resources`` every rollout worker needs.
 
     For TP > 1 this creates a placement group (``STRICT_PACK``: one node, TP traffic stays on
     NVLink/PCIe) that the caller owns: remove it with ``ray.util.remove_placement_group(
     options["scheduling_strategy"].placement_group)`` when the worker is retired, otherwise its GPUs
     stay reserved until the job ends.
     """
-    tp = settings.tensor_parallel_size
-    if tp == 1:
-        return {"num_cpus": num_cpus, "num_gpus": 1}
+    custom = dict(resources or {})
+    if settings.tensor_parallel_size == 1:
+        return {"num_cpus": num_cpus, "num_gpus": 1, "resources": custom}
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundles = [{"GPU": 1, "CPU": num_cpus}] + [{"GPU": 1}] * (tp - 1)
+    bundles = tensor_parallel_bundles(settings, num_cpus, custom)
     group = placement_group(bundles, strategy="STRICT_PACK")
     strategy = PlacementGroupSchedulingStrategy(
         placement_group=group,
         placement_group_bundle_index=0,
         placement_group_capture_child_tasks=True,
     )
-    return {"num_cpus": num_cpus, "num_gpus": 0, "scheduling_strategy": strategy}
+    return {
+        "num_cpus": num_cpus,
+        "num_gpus": 0,
+        "resources": custom,
+        "scheduling_strategy": strategy,
+    }

@@ -72,7 +72,9 @@ class LocalRun:
         trees, metrics = pull_batch(batches, train.prompts_per_step, self.learner.version, 0)
         with timed(metrics, "update"):
             metrics.update(self.learner.update(trees))
-        self.worker.load_weights(self.learner.version, self.learner.policy_state())
+        self.worker.load_weights(
+            self.learner.version, self.learner.policy_state(self.cfg.engine.weights_dtype())
+        )
         self.train_seconds += time.perf_counter() - started
         return metrics
 

@@ -39,8 +39,9 @@ def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | Non
     """Actor options of one rollout worker and the placement group they schedule into."""
     restarts = {"max_restarts": cfg.cluster.rollout_max_restarts, "max_task_retries": 0}
     if cfg.engine.rollout_gpus():
-        options = vllm_actor_options(cfg.engine.vllm, num_cpus=cfg.cluster.rollout_cpus)
-        options["resources"] = dict(cfg.cluster.rollout_resources)
+        options = vllm_actor_options(
+            cfg.engine.vllm, cfg.cluster.rollout_cpus, cfg.cluster.rollout_resources
+        )
         strategy = options.get("scheduling_strategy")
         return {**options, **restarts}, strategy.placement_group if strategy else None
     bundle = {"CPU": cfg.cluster.rollout_cpus, **cfg.cluster.rollout_resources}

@@ -48,9 +48,17 @@ def sum_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
         dist.all_reduce(param.grad)
 
 
+def collective_device() -> torch.device:
+    """Where tensors of a collective must live: NCCL takes only CUDA tensors (on this rank's
+    current device, which Ray Train sets), gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_agree(flag: bool) -> bool:
     """True only when ``flag`` is True on every rank."""
-    value = torch.tensor([float(flag)])
+    value = torch.tensor([float(flag)], device=collective_device())
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
 

@@ -72,15 +72,20 @@ def token_logprobs(
 
 
 def packed_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, row: int, temperature: float = 1.0
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    row: int,
+    temperature: float = 1.0,
+    mask_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each action token of packed ``row`` given its own path, and the entropy of the
     distribution it was drawn from, in one forward of the row's real tokens with the tree mask.
 
     Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
-    those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,), 0 off
-    action tokens, under ``softmax(logits / temperature)``. The model must use ``sdpa`` or
-    ``eager`` attention (see ``treegrpo_ray.packing``).
+    those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,) float32 on
+    the batch's device, 0 off action tokens, under ``softmax(logits / temperature)``. The model
+    must use ``sdpa`` or ``eager`` attention (see ``treegrpo_ray.packing``); the tree mask is
+    built in ``mask_dtype`` (default: the model's), the dtype its attention computes in.
     """
     attention = model.config._attn_implementation
     if attention not in ("sdpa", "eager"):
@@ -95,7 +100,7 @@ def packed_logprobs(
     predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
     logits = model(
         input_ids=input_ids[None],
-        attention_mask=batch.attention_bias(row, next(model.parameters()).dtype),
+        attention_mask=batch.attention_bias(row, mask_dtype or next(model.parameters()).dtype),
         position_ids=batch.position_ids[row, None, :n],
         use_cache=False,
         logits_to_keep=predictors,
@@ -104,8 +109,8 @@ def packed_logprobs(
     action_logprobs = log_probs.gather(-1, input_ids[pos, None]).squeeze(-1)
     action_entropy = -(log_probs.exp() * log_probs).sum(-1)
     width = batch.input_ids.shape[1]
-    logprobs = torch.zeros(width).index_put((pos,), action_logprobs)
-    entropy = torch.zeros(width).index_put((pos,), action_entropy)
+    logprobs = torch.zeros(width, device=pos.device).index_put((pos,), action_logprobs)
+    entropy = torch.zeros(width, device=pos.device).index_put((pos,), action_entropy)
     return logprobs, entropy
 
 
@@ -153,6 +158,8 @@ class Learner:
     the accumulated gradient is the full-minibatch one. Trees are
     split into ``ppo.minibatches`` minibatches once per update; each epoch visits them in a new
     order. With one minibatch, ``paper`` mode gives exactly the path-expanded update.
+    The policy, its reference and every packed batch live on ``device`` (a Ray Train worker's
+    GPU, or the CPU); trees are packed and advantages routed on the CPU, then moved there.
     """
 
     def __init__(
@@ -162,9 +169,12 @@ class Learner:
         temperature: float,
         seed: int = 0,
         lora: LoraSettings | None = None,
+        device: torch.device | str = "cpu",
     ):
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         self.model, self.tokenizer = load_policy(model_path)
+        self.model.to(self.device)
         self.lora = lora is not None and lora.enabled
         self.ref_model: torch.nn.Module | None = None
         if lora is not None and lora.enabled:
@@ -187,7 +197,9 @@ class Learner:
         self.node_advantages: dict[tuple[int, int], NodeAdvantage] = {}
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, model_path: str) -> Learner:
+    def from_config(
+        cls, cfg: JobConfig, model_path: str, device: torch.device | str = "cpu"
+    ) -> Learner:
         """The learner of a job (the Ray Train loop and the in-process loop build it alike)."""
         return cls(
             model_path,
@@ -195,7 +207,22 @@ class Learner:
             temperature=cfg.sampling.temperature,
             seed=cfg.train.seed,
             lora=cfg.model.lora,
+            device=device,
         )
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.ppo.precision == "bfloat16-mixed"
+
+    def _logprobs(
+        self, model: torch.nn.Module, batch: PackedBatch, row: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``packed_logprobs`` of ``row`` under the learner's precision: with bfloat16-mixed the
+        forward runs under bfloat16 autocast (tree mask in bfloat16), the log-probs in float32."""
+        if not self.mixed_precision:
+            return packed_logprobs(model, batch, row, self.temperature)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return packed_logprobs(model, batch, row, self.temperature, torch.bfloat16)
 
     def state_dict(self) -> LearnerState:
         """What a checkpoint keeps: the trainable weights, optimizer, RNG states, counters."""
@@ -261,7 +288,8 @@ class Learner:
                 for chunk in chunks
             ]
             advantages = self._leaf_advantages(batches)
-            routed = self._route(chunks, batches, advantages)
+            routed = [r.to(self.device) for r in self._route(chunks, batches, advantages)]
+            batches = [b.to(self.device) for b in batches]
         with timed(metrics, "ref_logprobs"):
             ref = [self._reference_logprobs(b) for b in batches]
         with timed(metrics, "old_logprobs"):
@@ -349,9 +377,9 @@ class Learner:
     def _no_grad_logprobs(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         """Action-token log-probs (R, T) of ``model`` on this rank's rows of ``batch`` (0 on
         the other ranks' rows, which this rank never reads)."""
-        out = torch.zeros(batch.input_ids.shape)
+        out = torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
         for r in self._my_rows(batch):
-            out[r] = packed_logprobs(model, batch, r, self.temperature)[0]
+            out[r] = self._logprobs(model, batch, r)[0]
         return out
 
     def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
@@ -398,7 +426,7 @@ class Learner:
         stats: dict[str, float] = {"learner/nonfinite_steps": 0.0}
         finite = True
         for r in self._my_rows(mb.batch):
-            logprobs, entropy = packed_logprobs(self.model, mb.batch, r, self.temperature)
+            logprobs, entropy = self._logprobs(self.model, mb.batch, r)
             old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs[r]
             weights = None
             if mb.stale is not None:
@@ -433,18 +461,24 @@ class Learner:
         self.optimizer.step()
         return {**stats, "learner/grad_norm": float(grad_norm)}
 
-    def policy_state(self) -> dict[str, torch.Tensor] | LoraPayload:
+    def policy_state(self, dtype: str = "float32") -> dict[str, torch.Tensor] | LoraPayload:
         """What rollout engines load: a detached CPU copy of the weights, or with LoRA only the
-        adapter (its tensors and peft config)."""
+        adapter (its tensors and peft config), floating tensors in the engine's ``dtype``
+        (bfloat16 halves what a bfloat16 engine is sent)."""
+        cast = getattr(torch, dtype)
+
+        def to_engine(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {
+                k: v.detach().to("cpu", cast if v.is_floating_point() else v.dtype, copy=True)
+                for k, v in tensors.items()
+            }
+
         if not self.lora:
-            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            return to_engine(self.model.state_dict())
         from peft import get_peft_model_state_dict
 
         adapter = get_peft_model_state_dict(self.model)
-        return LoraPayload(
-            {k: v.detach().cpu().clone() for k, v in adapter.items()},
-            self.model.peft_config["default"].to_dict(),
-        )
+        return LoraPayload(to_engine(adapter), self.model.peft_config["default"].to_dict())
 
     def save_trees(self, run_dir: Path, trees: list[Tree], metrics: dict[str, float]) -> Path:
         """Write the trees of the last update, with what it gave each node and its ``metrics``,
@@ -538,12 +572,16 @@ def train_loop_per_worker(config: dict) -> None:
     """
     import ray
     import ray.train
+    import ray.train.torch
 
     cfg = config["cfg"]
     controller = config["controller"]
     torch.set_num_threads(cfg.cluster.torch_threads)
     queue = ray.get(controller.get_queue.remote())
-    learner = Learner.from_config(cfg, config["model_path"])
+    # this worker's GPU when cluster.learner_gpus > 0 (Ray Train made it the current device), else
+    # the CPU
+    device = ray.train.torch.get_device()
+    learner = Learner.from_config(cfg, config["model_path"], device)
     first = learner.rank == 0
     here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
     restarted = ray.get(controller.register_learner.remote(learner.rank, here))
@@ -551,7 +589,7 @@ def train_loop_per_worker(config: dict) -> None:
     if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint
         learner.load_state_dict(load_checkpoint(latest))
     if first and (latest is not None or restarted):
-        weights = ray.put(learner.policy_state())
+        weights = ray.put(learner.policy_state(cfg.engine.weights_dtype()))
         ray.get(controller.restore.remote(learner.version, [weights]))
     cycle_start, publish_s = time.perf_counter(), 0.0
     while learner.version < cfg.train.steps:
@@ -578,7 +616,7 @@ def train_loop_per_worker(config: dict) -> None:
             idle = metrics["queue/wait_s"] + publish_s
             metrics["learner/idle_frac"] = idle / (time.perf_counter() - cycle_start)
             cycle_start = time.perf_counter()
-            weights = ray.put(learner.policy_state())
+            weights = ray.put(learner.policy_state(cfg.engine.weights_dtype()))
             groups = sorted({t.group_id for t in trees})
             ray.get(controller.publish.remote(learner.version, [weights], metrics, groups))
             publish_s = time.perf_counter() - cycle_start

@@ -90,6 +90,10 @@ class RoutedAdvantages:
         }
         return RoutedAdvantages(**fields)
 
+    def to(self, device: torch.device) -> RoutedAdvantages:
+        """The same routing with every tensor on ``device``."""
+        return self._map(lambda value: value.to(device))
+
     def row(self, row: int) -> RoutedAdvantages:
         """One packed row of a token-level routing: (K, T), (K, T), (T,)."""
         return self._map(lambda value: value[..., row, :])

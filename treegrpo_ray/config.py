@@ -343,6 +343,13 @@ class EngineConfig(_Section):
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
+    def weights_dtype(self) -> str:
+        """The dtype the engine computes in, and so the one the learner ships new weights in:
+        float32 for the embedded engine, ``engine.vllm.dtype`` for vLLM (auto: float32)."""
+        if self.kind == "vllm" and self.vllm.dtype != "auto":
+            return self.vllm.dtype
+        return "float32"
+
     def rollout_gpus(self) -> int:
         """GPUs each rollout worker takes: vLLM on cuda, TP of them; 0 otherwise (the hf engine
         on a rollout worker runs on its CPUs)."""
@@ -446,6 +453,13 @@ class PPOConfig(_Section):
         "as context (learner/split_extra_tokens); it must be at least the longest root-to-leaf "
         "path. Attention in a row costs its length squared, trees in one row included: on CPU, "
         "rows of one or two trees are fastest.",
+    )
+    precision: Literal["float32", "bfloat16-mixed"] = Field(
+        "float32",
+        description="Learner arithmetic. float32: all of it. bfloat16-mixed: weights, gradients "
+        "and Adam state stay float32 (as verl's FSDP and OpenRLHF's DeepSpeed keep them), the "
+        "forwards run under bfloat16 autocast, log-probs and the loss are taken in float32; the "
+        "GPU presets' choice (on a CPU without bfloat16 matrix units it is slower, not faster).",
     )
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
 
@@ -578,6 +592,29 @@ class JobConfig(_Section):
                 f"tree.select {self.tree.select} reads token entropies, which vLLM reports only "
                 "with engine.vllm.entropy_topk > 0; set it (20 is vLLM's default limit) or use "
                 "tree.select uniform"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_logprobs_mean_one_thing(self) -> JobConfig:
+        """Under top-p < 1 the engines' log-probs differ in meaning (vLLM's are renormalised over
+        the nucleus, the embedded engine's and the learner's are over the whole vocabulary), so
+        a ratio that reads them is refused rather than silently biased."""
+        if self.sampling.top_p >= 1:
+            return self
+        corrected = self.train.max_policy_lag > 0 and self.ppo.is_cap > 0
+        if self.ppo.use_engine_logprobs or corrected:
+            what = (
+                "ppo.use_engine_logprobs"
+                if self.ppo.use_engine_logprobs
+                else f"train.max_policy_lag {self.train.max_policy_lag} (its importance "
+                f"correction, ppo.is_cap {self.ppo.is_cap})"
+            )
+            raise ValueError(
+                f"sampling.top_p {self.sampling.top_p} < 1 with {what}: the ratio would read the "
+                "engine's log-probs, which vLLM renormalises over the nucleus and the learner "
+                "does not; set sampling.top_p=1, or use_engine_logprobs false with "
+                "max_policy_lag 0 (or ppo.is_cap 0)"
             )
         return self
 

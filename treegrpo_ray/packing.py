@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import torch
@@ -164,6 +164,15 @@ class PackedBatch:
     split_trees: int
     split_extra_tokens: int
 
+    def to(self, device: torch.device) -> PackedBatch:
+        """The same batch with every tensor on ``device`` (the learner's)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
     def stale_actions(self, version: int) -> torch.Tensor:
         """(R, T) bool: action tokens sampled by a policy older than ``version``."""
         token_version = self.node_versions[self.token_node.clamp(min=0)]
@@ -182,7 +191,7 @@ class PackedBatch:
         allows attention, the dtype's lowest finite value elsewhere."""
         n = self.row_length(row)
         allowed = self.tree_mask[row, None, None, :n, :n]
-        bias = torch.zeros(allowed.shape, dtype=dtype)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return bias.masked_fill(~allowed, torch.finfo(dtype).min)
 
     def route_nodes(

@@ -472,14 +472,17 @@ class VLLMEngine:
         """Switch to policy ``version``: a full HF-named state dict, or a LoRA adapter."""
         if isinstance(payload, LoraPayload):
             self._load_adapter(version, payload)
-        else:
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": list(payload.items())}
-            )
-            self._drop_adapter()  # the state dict is the whole policy
-            if not self.llm.reset_prefix_cache():
-                raise RuntimeError("vLLM could not reset its prefix cache: blocks still in use")
+            self.version = version
+            return
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": list(payload.items())}
+        )
+        self._drop_adapter()  # the state dict is the whole policy
+        # the new weights take the new version's cache salt before the reset can fail: should it
+        # fail, old blocks stay unreachable rather than served to the new policy
         self.version = version
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache: blocks still in use")
 
     def _load_adapter(self, version: int, payload: LoraPayload) -> None:
         if not self.enable_lora:

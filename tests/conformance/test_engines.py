@@ -74,6 +74,11 @@ class EngineHost:
     def version(self) -> int:
         return self.engine.version
 
+    def fail_cache_resets(self) -> None:
+        """Test double for a reset that fails: vLLM refuses one only while blocks are in use,
+        which a synchronous ``LLM`` never has between calls."""
+        self.engine.llm.reset_prefix_cache = lambda: False
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
@@ -407,3 +412,28 @@ def test_the_vllm_engine_loads_a_hub_id_from_its_node_cache(engine_hosts, hub_po
     for prefix, result in zip(prefixes, engine.generate(_requests(prefixes, 1.0)), strict=True):
         expected = reference_logprobs(reference, prefix, result.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_runs_here(), reason="needs vLLM (see ENGINES)")
+def test_a_failed_cache_reset_serves_no_old_kv_to_the_new_version(engine_hosts, tiny_policy):
+    """The version (the cache salt) moves with the weights before the reset is tried: when the
+    reset fails, the blocks cached under the old version cannot serve the new one."""
+    if not engine_hosts:
+        gpus = 0.5 if installed_vllm_build() == "cuda" else 0
+        engine_hosts.append(ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpus).remote())
+    host = engine_hosts[0]
+    engine = _vllm(tiny_policy, True, host)
+    tokenizer = load_tokenizer(tiny_policy)
+    # two observations: over one 32-token block, the prefix cache's unit on CPU
+    text = [2 * OBSERVATION + q for q in QUESTIONS]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in text]
+    engine.generate(_requests(prompts, 0.0))  # cached under version 0
+    assert sum(r.cached_tokens for r in engine.generate(_requests(prompts, 0.0))) > 0
+    ray.get(host.fail_cache_resets.remote())
+    weights = load_policy(tiny_policy)[0].state_dict()
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.load_weights(1, weights)
+    assert engine.version == 1
+    assert [r.cached_tokens for r in engine.generate(_requests(prompts, 0.0))] == [0] * 3
+    ray.get(host.close.remote())

@@ -1,6 +1,9 @@
 """Presets and ``extends``: a config file that overrides another one's fields."""
 
+import pytest
+
 from treegrpo_ray.config import _changed_fields, load_config, preset_names
+from treegrpo_ray.errors import UserInputError
 
 
 def test_every_preset_loads():
@@ -23,3 +26,21 @@ def test_a_user_file_extends_a_preset_and_overrides_win(tmp_path):
     cfg = load_config(str(path), ["ppo.lr=0.01"])
     assert (cfg.tree.m, cfg.tree.n) == (2, 0)  # m from the preset, n from the file
     assert (cfg.model.lora.enabled, cfg.model.lora.rank, cfg.ppo.lr) == (True, 4, 0.01)
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (["sampling.top_p=0.9"], False),  # on-policy, recomputed old log-probs: no engine ratio
+        (["sampling.top_p=0.9", "ppo.use_engine_logprobs=true"], True),
+        (["sampling.top_p=0.9", "train.max_policy_lag=1"], True),  # the IS correction reads them
+        (["sampling.top_p=0.9", "train.max_policy_lag=1", "ppo.is_cap=0"], False),
+        (["train.max_policy_lag=1", "ppo.use_engine_logprobs=true"], False),  # top-p 1
+    ],
+)
+def test_top_p_below_one_is_refused_where_the_ratio_reads_engine_logprobs(overrides, refused):
+    if not refused:
+        load_config("tiny-multihop", overrides)
+        return
+    with pytest.raises(UserInputError, match=r"sampling.top_p 0.9 < 1 with .*set sampling.top_p=1"):
+        load_config("tiny-multihop", overrides)

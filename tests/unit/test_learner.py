@@ -183,3 +183,44 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_c
     payload = learner.policy_state()
     assert isinstance(payload, LoraPayload)
     assert payload.adapter_state and all("lora_" in k for k in payload.adapter_state)
+
+
+def test_bfloat16_mixed_keeps_float32_state_and_follows_the_float32_update(tiny_cfg, tiny_policy):
+    """bfloat16-mixed: the forwards run under bfloat16 autocast, while weights, gradients and
+    Adam's moments stay float32 (verl's and OpenRLHF's mixed precision); its loss and gradient
+    follow the float32 update's within bfloat16's precision."""
+    trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    results = {}
+    for precision in ("float32", "bfloat16-mixed"):
+        ppo = tiny_cfg.ppo.model_copy(update={"precision": precision})
+        learner = Learner(tiny_policy, ppo, temperature=1.0, device="cpu")
+        metrics = learner.update(trees)
+        grads = torch.cat([p.grad.flatten() for p in learner.model.parameters()])
+        results[precision] = (metrics, grads, learner)
+    (full, full_grads, _), (mixed, mixed_grads, learner) = results.values()
+    assert {p.dtype for p in learner.model.parameters()} == {torch.float32}
+    assert mixed_grads.dtype == torch.float32
+    moments = [s["exp_avg"] for s in learner.optimizer.state.values()]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    assert mixed["learner/loss"] == pytest.approx(full["learner/loss"], abs=0.02)
+    cosine = torch.nn.functional.cosine_similarity(mixed_grads, full_grads, dim=0)
+    assert cosine > 0.95 and not torch.equal(mixed_grads, full_grads)  # autocast really ran
+
+
+def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, tiny_policy):
+    """A bfloat16 vLLM engine is sent bfloat16 weights (half the bytes), the embedded engine and
+    vLLM's auto dtype float32; both are copies, detached from the training weights."""
+    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    vllm_bf16 = tiny_cfg.engine.model_copy(update={"kind": "vllm"})
+    vllm_bf16 = vllm_bf16.model_copy(
+        update={"vllm": vllm_bf16.vllm.model_copy(update={"dtype": "bfloat16"})}
+    )
+    assert (tiny_cfg.engine.weights_dtype(), vllm_bf16.weights_dtype()) == ("float32", "bfloat16")
+    weights = dict(learner.model.state_dict())
+    for dtype in ("float32", "bfloat16"):
+        sent = learner.policy_state(dtype)
+        assert sent.keys() == weights.keys()
+        for name, tensor in sent.items():
+            assert tensor.dtype == getattr(torch, dtype) and not tensor.requires_grad
+            assert torch.equal(tensor, weights[name].to(tensor.dtype))
+            assert tensor.data_ptr() != weights[name].data_ptr()

@@ -26,7 +26,7 @@ from treegrpo_ray.actors.engines.vllm_engine import (
     vllm_lora_rank,
     write_peft_adapter,
 )
-from treegrpo_ray.cluster.engines import vllm_actor_options
+from treegrpo_ray.cluster.engines import tensor_parallel_bundles, vllm_actor_options
 from treegrpo_ray.config import EngineConfig, JobConfig, VLLMConfig, load_config
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
 from treegrpo_ray.errors import UserInputError
@@ -328,7 +328,22 @@ def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path):
 
 
 def test_single_gpu_actor_options_reserve_one_gpu():
-    assert vllm_actor_options(VLLMConfig(), num_cpus=2) == {"num_cpus": 2, "num_gpus": 1}
+    assert vllm_actor_options(VLLMConfig(), num_cpus=2) == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "resources": {},
+    }
+    options = vllm_actor_options(VLLMConfig(), num_cpus=2, resources={"rollout_node": 1})
+    assert options["resources"] == {"rollout_node": 1}
+
+
+def test_tensor_parallel_bundle_zero_holds_what_the_actor_asks_for():
+    """The actor sits in bundle 0 and asks for the rollout workers' custom resource: a bundle
+    without it could never host the actor (the job would wait forever)."""
+    bundles = tensor_parallel_bundles(
+        VLLMConfig(device="cuda", tensor_parallel_size=3), 2, {"rollout_node": 0.5}
+    )
+    assert bundles == [{"GPU": 1, "CPU": 2, "rollout_node": 0.5}, {"GPU": 1}, {"GPU": 1}]
 
 
 def _engine_kwargs(**settings) -> dict:
