@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
@@ -24,6 +26,7 @@ from treegrpo_ray.engine import (
     GenerationResult,
     LoraPayload,
     SamplingParams,
+    stepped,
 )
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
@@ -58,7 +61,27 @@ def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = F
         )
     model, tokenizer = load_policy(model_path)
     cache_bytes = engine.cache_bytes if engine.prefix_cache else 0
-    return HFEngine(model, tokenizer.pad_token_id, seed=seed, cache_bytes=cache_bytes)
+    return HFEngine(
+        model,
+        tokenizer.pad_token_id,
+        seed=seed,
+        cache_bytes=cache_bytes,
+        max_num_seqs=engine.max_num_seqs,
+    )
+
+
+@dataclass
+class _Branch:
+    """One branch being grown: the node its next action extends (the expansion's, then each
+    new node's), its seed and how many actions it has taken."""
+
+    at: Expansion
+    seed: int
+    turn: int = 0
+
+    def turn_seed(self) -> int:
+        """The seed of the current turn's request: a function of the branch seed and the turn."""
+        return (self.seed + self.turn * 0x9E3779B97F4A7C15) % 2**63
 
 
 class RolloutWorker:
@@ -161,28 +184,38 @@ class RolloutWorker:
         rng: random.Random,
         budgets: dict[int, Budget],
     ) -> None:
-        """Grow one branch per expansion until each ends in a leaf, in batched waves.
+        """Grow one branch per expansion until each ends in a leaf.
 
-        Each wave is one engine call over every open branch, then one ``step_batch`` over the
-        branches whose action ended with a stop sequence.
+        Every branch is an episode of its own: its next turn goes to the engine as soon as its
+        observation is back, so the engine's batch stays full across branches of any length
+        (on an engine that only runs whole batches, ``WaveStepper``, the branches advance in
+        waves). The actions that end in the same engine step go to the environment as one
+        ``step_batch``. Each branch draws its seed from ``rng`` up front, in planner order, and
+        its turns derive theirs from it, so the trees do not depend on the scheduling.
         """
-        frontier = list(expansions)
-        while frontier:
-            results = self.engine.generate(
-                [self._request(trees, e, temperature, rng) for e in frontier]
-            )
-            stepped = [
-                (e, r) for e, r in zip(frontier, results, strict=True) if r.finish_reason == "stop"
+        engine = stepped(self.engine)
+        branches: dict[Hashable, _Branch] = {
+            tag: _Branch(e, rng.getrandbits(63)) for tag, e in enumerate(expansions)
+        }
+        for tag, branch in branches.items():
+            engine.submit(self._request(trees, branch, temperature), tag)
+        while engine.pending():
+            finished = engine.step()
+            if not finished:
+                continue
+            stops = [(tag, r) for tag, r in finished if r.finish_reason == "stop"]
+            states = [
+                trees[branches[tag].at.tree_index].state_at(branches[tag].at.node_id)
+                for tag, _ in stops
             ]
             steps = self.env.step_batch(
-                [trees[e.tree_index].state_at(e.node_id) for e, _ in stepped],
-                [self.tokenizer.decode(r.token_ids) for _, r in stepped],
+                states, [self.tokenizer.decode(r.token_ids) for _, r in stops]
             )
-            step_of = {id(e): s for (e, _), s in zip(stepped, steps, strict=True)}
-            next_frontier = []
-            for expansion, result in zip(frontier, results, strict=True):
-                tree = trees[expansion.tree_index]
-                node = self._add_node(tree, expansion, result, step_of.get(id(expansion)))
+            step_of = {tag: step for (tag, _), step in zip(stops, steps, strict=True)}
+            for tag, result in finished:
+                branch = branches[tag]
+                tree = trees[branch.at.tree_index]
+                node = self._add_node(tree, branch.at, result, step_of.get(tag))
                 budgets.get(tree.group_id, Budget()).count_step(
                     len(result.token_ids),
                     result.prefill_tokens,
@@ -190,22 +223,25 @@ class RolloutWorker:
                     node.tool_call,
                     node.finished,
                 )
-                if not node.finished:
-                    next_frontier.append(Expansion(expansion.tree_index, node.node_id))
-            frontier = next_frontier
+                if node.finished:
+                    del branches[tag]
+                    continue
+                branch.at, branch.turn = (
+                    Expansion(branch.at.tree_index, node.node_id),
+                    branch.turn + 1,
+                )
+                engine.submit(self._request(trees, branch, temperature), tag)
 
-    def _request(
-        self, trees: list[Tree], expansion: Expansion, temperature: float, rng: random.Random
-    ) -> GenerationRequest:
-        tree = trees[expansion.tree_index]
+    def _request(self, trees: list[Tree], branch: _Branch, temperature: float) -> GenerationRequest:
+        tree = trees[branch.at.tree_index]
         params = SamplingParams(
             temperature=temperature,
             top_p=self.sampling.top_p,
             max_new_tokens=self.sampling.max_action_tokens,
-            seed=rng.getrandbits(63),
+            seed=branch.turn_seed(),
         )
         return GenerationRequest(
-            prefix_ids=tuple(tree.prefix_ids(expansion.node_id)),
+            prefix_ids=tuple(tree.prefix_ids(branch.at.node_id)),
             params=params,
             stop=self.stops,
         )

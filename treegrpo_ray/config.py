@@ -341,6 +341,12 @@ class EngineConfig(_Section):
     cache_bytes: int = Field(
         512 * 2**20, ge=0, description="Memory budget of the hf engine's prefix cache (LRU)."
     )
+    max_num_seqs: int = Field(
+        64,
+        gt=0,
+        description="hf: sequences decoded at once (continuous batching; more wait for a free "
+        "slot). vLLM has its own (engine.vllm.max_num_seqs).",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     def weights_dtype(self) -> str:

@@ -5,9 +5,9 @@ Engines are token-in / token-out: the learner trains on exactly the sampled toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from treegrpo_ray.stops import StopStrings
 
@@ -80,3 +80,41 @@ class Engine(Protocol):
         """Counters since start: ``prefill_tokens``, ``cached_tokens``, ``lookups``, ``hits``,
         ``evictions``, ``bytes`` (KV held now), ``hit_rate`` (hits / lookups)."""
         ...
+
+
+@runtime_checkable
+class SteppedEngine(Protocol):
+    """An engine fed request by request: ``submit`` queues a request under a tag, each ``step``
+    advances the engine and returns the ``(tag, result)`` of the requests it finished (the
+    embedded engine: one token of every running request, continuously batched)."""
+
+    def submit(self, request: GenerationRequest, tag: Hashable) -> None: ...
+
+    def step(self) -> list[tuple[Hashable, GenerationResult]]: ...
+
+    def pending(self) -> int: ...
+
+
+class WaveStepper:
+    """``SteppedEngine`` over an engine that generates whole batches (vLLM's offline ``LLM``):
+    each ``step`` runs every request submitted since the last one as one ``generate`` call."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queue: list[tuple[Hashable, GenerationRequest]] = []
+
+    def submit(self, request: GenerationRequest, tag: Hashable) -> None:
+        self._queue.append((tag, request))
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+        wave, self._queue = self._queue, []
+        results = self.engine.generate([request for _, request in wave])
+        return [(tag, result) for (tag, _), result in zip(wave, results, strict=True)]
+
+
+def stepped(engine: Engine) -> SteppedEngine:
+    """``engine`` itself when it can be fed request by request, else a ``WaveStepper`` on it."""
+    return engine if isinstance(engine, SteppedEngine) else WaveStepper(engine)

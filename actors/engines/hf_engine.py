@@ -1,21 +1,26 @@
-"""Embedded CPU engine on transformers: batched, token ids in, token ids + log-probs out.
+"""Embedded CPU engine on transformers: token ids in, token ids + log-probs out, continuously
+batched.
 
-Requests of different prefix lengths are padded into one batch; decoding uses the model's KV cache,
-and a prefix cache serves the KV of prefixes computed by earlier calls. Each request samples from its own generator when its ``SamplingParams.seed`` is set, so a
-request's output does not depend on which other requests share its batch.
+Requests wait in a queue and join the running batch as soon as a slot is free; every ``step``
+feeds the running rows one token each, and a row that finishes leaves the batch at once (its KV
+goes to the prefix cache), so the batch stays full across requests of any length. KV lives in
+preallocated slots written in place (``slot_kv.SlotKV``), and the prefix cache serves the KV of
+prefixes computed by earlier requests. Each request samples from its own generator when its
+``SamplingParams.seed`` is set, so a request's tokens do not depend on which other requests share
+its batch, nor on when it joined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections import deque
+from collections.abc import Hashable, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from treegrpo_ray.actors.engines.prefix_cache import Match, PrefixCache
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
+from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
+from treegrpo_ray.actors.engines.slot_kv import SlotKV, attending_through_slots
+from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -34,72 +39,140 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 
 class _Row:
-    """Decoding state of one request inside a batch."""
+    """Decoding state of one request: its tokens so far and the KV its slot holds.
 
-    def __init__(self, request: GenerationRequest, generator: torch.Generator):
+    length: tokens whose KV is in the slot (the prefix, then every sampled token but the last,
+    which is fed at the next step); cached: prefix tokens that came from the prefix cache."""
+
+    def __init__(self, request: GenerationRequest, generator: torch.Generator, tag: Hashable):
         self.request = request
         self.generator = generator
+        self.tag = tag
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.entropies: list[float] = []
         self.finish_reason: str | None = None
+        self.length = 0
+        self.cached = 0
 
-    def sample(self, logits: torch.Tensor) -> None:
-        """Draw the next token from ``logits`` (V,) and record it with its log-prob and the exact
-        entropy of the distribution it was drawn from (``-sum p log p`` over the nucleus after
-        temperature; 0 for greedy, a point mass)."""
-        params = self.request.params
-        if params.temperature <= 0:
-            token = int(torch.argmax(logits))
-            logprob = torch.log_softmax(logits, dim=-1)[token]
-            entropy = 0.0
-        else:
-            probs = nucleus_probs(logits, params.temperature, params.top_p)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-            logprob = torch.log_softmax(logits / params.temperature, dim=-1)[token]
-            entropy = float(torch.special.entr(probs).sum())
+    def record(self, token: int, logprob: float, entropy: float, max_positions: int) -> None:
         self.token_ids.append(token)
-        self.logprobs.append(float(logprob))
+        self.logprobs.append(logprob)
         self.entropies.append(entropy)
-        self._check_finished()
-
-    def _check_finished(self) -> None:
         stop = self.request.stop
         if stop is not None and stop.completed(self.token_ids):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.request.params.max_new_tokens:
             self.finish_reason = "length"
+        elif self.length >= max_positions - 1:  # the new token's position: no room after it
+            self.finish_reason = "context"
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or "length",
+            prefill_tokens=len(self.request.prefix_ids) - self.cached,
+            cached_tokens=self.cached,
+            entropies=self.entropies,
+        )
+
+
+def sample_rows(rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, float, float]]:
+    """Draw each row's next token from its logits row (n, V), each from its own generator.
+
+    Returns ``(token, logprob, entropy)`` per row: the log-prob under ``softmax(logits / T)``
+    (T = 1 for greedy rows) and the exact entropy of the distribution drawn from (the nucleus
+    after temperature; 0 for greedy, a point mass). The softmax runs batched. A full-vocabulary
+    draw is by inverse CDF: one uniform from the row's generator located in the row's cumulative
+    probabilities (float64), a search instead of ``multinomial``'s exponential draw per
+    vocabulary entry (~1 ms a row here); so a row's token depends on its own logits and
+    generator alone."""
+    temperatures = torch.tensor(
+        [r.request.params.temperature if r.request.params.temperature > 0 else 1.0 for r in rows]
+    )
+    log_probs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
+    probs = log_probs.exp()
+    entropies = torch.special.entr(probs).sum(-1).tolist()
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    full = [
+        i
+        for i, r in enumerate(rows)
+        if r.request.params.temperature > 0 and r.request.params.top_p >= 1.0
+    ]
+    if full:
+        cdf = probs[full].double().cumsum(-1)
+        uniform = torch.cat(
+            [torch.rand(1, generator=rows[i].generator, dtype=torch.float64) for i in full]
+        )
+        drawn = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        for i, token in zip(
+            full, drawn.clamp(max=logits.shape[-1] - 1)[:, 0].tolist(), strict=True
+        ):
+            tokens[i] = token
+    out = []
+    for i, row in enumerate(rows):
+        params = row.request.params
+        if params.temperature <= 0:
+            entropies[i] = 0.0
+        elif params.top_p < 1.0:
+            nucleus = nucleus_probs(logits[i], params.temperature, params.top_p)
+            tokens[i] = int(torch.multinomial(nucleus, 1, generator=row.generator))
+            entropies[i] = float(torch.special.entr(nucleus).sum())
+        out.append((tokens[i], float(log_probs[i, tokens[i]]), entropies[i]))
+    return out
 
 
 class HFEngine:
-    """Batched generation with a transformers causal LM on CPU (or one CUDA device).
+    """Continuously batched generation with a transformers causal LM on CPU (or one CUDA device).
 
-    model: a ``PreTrainedModel`` in eval mode; pad_token_id: id used for padding; seed: seeds the
-    generator used by requests without their own seed; cache_bytes: memory budget of the prefix
-    KV cache (0 turns it off).
+    model: a ``PreTrainedModel`` (Llama / Qwen2 attention; the engine's forwards run it with
+    ``slot_attention``); pad_token_id: kept for callers (rows are never padded);
+    seed: seeds the generator of requests without their own seed; cache_bytes: memory budget of
+    the prefix KV cache (0 turns it off); max_num_seqs: sequences decoded at once (more wait).
 
-    Prefix caching: every request looks up the longest prefix of its tokens already computed (a
-    radix tree over token ids, ``PrefixCache``) and only its remaining tokens go through the model.
-    A batch lays each row out as ``[pad][cached KV][pad][new tokens]``: the cached parts, of
-    different lengths, are right-aligned in the past KV, the new parts right-aligned in the input,
-    with explicit position ids and an attention mask that hides both pads. After decoding, each
-    row's KV (prefix + generated tokens but the last, which was never fed) is inserted.
+    ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
+    requests as they become known (the rollout worker submits an episode's next turn when its
+    observation is back): each ``step`` admits waiting requests into free slots (one batched
+    prefill of their uncached tokens), decodes one token of every running row, and returns the
+    requests that finished.
     """
 
     def __init__(
-        self, model: PreTrainedModel, pad_token_id: int, seed: int = 0, cache_bytes: int = 0
+        self,
+        model: PreTrainedModel,
+        pad_token_id: int,
+        seed: int = 0,
+        cache_bytes: int = 0,
+        max_num_seqs: int = 64,
     ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.generator = torch.Generator().manual_seed(seed)
         self.max_positions = int(model.config.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.kv = SlotKV(
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            head_dim,
+            model.dtype,
+            self.device,
+        )
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Row] = []  # row i's KV is in slot i
 
     def load_weights(self, version: int, payload: dict[str, torch.Tensor] | LoraPayload) -> None:
         """Switch to policy ``version``: a full state dict, or a LoRA adapter applied to the
         weights the engine started with. The prefix cache starts empty."""
+        if self.waiting or self.running:
+            raise RuntimeError("load_weights while requests are in flight: finish them first")
         if isinstance(payload, LoraPayload):
             self._load_adapter(payload)
         else:
@@ -135,157 +208,127 @@ class HFEngine:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Continue every request's prefix; results come back in request order."""
-        results: list[GenerationResult | None] = [None] * len(requests)
-        runnable = []
+        if self.pending():
+            raise RuntimeError("generate() with submitted requests in flight: step() them first")
         for i, request in enumerate(requests):
-            if len(request.prefix_ids) >= self.max_positions:
-                results[i] = GenerationResult([], [], "context", prefill_tokens=0, entropies=[])
-            else:
-                runnable.append(i)
-        if runnable:
-            batch = [requests[i] for i in runnable]
-            for i, result in zip(runnable, self._generate_batch(batch), strict=True):
-                results[i] = result
-        return [r for r in results if r is not None]
+            self.submit(request, tag=("generate", i))
+        results: dict[Hashable, GenerationResult] = {}
+        while self.pending():
+            results.update(self.step())
+        return [results[("generate", i)] for i in range(len(requests))]
 
-    def _row_generator(self, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self.generator
-        return torch.Generator().manual_seed(params.seed)
+    def submit(self, request: GenerationRequest, tag: Hashable) -> None:
+        """Queue ``request``; ``step`` returns its result under ``tag``."""
+        generator = self.generator
+        if request.params.seed is not None:
+            generator = torch.Generator().manual_seed(request.params.seed)
+        self.waiting.append(_Row(request, generator, tag))
+
+    def pending(self) -> int:
+        """Requests submitted and not yet returned by ``step``."""
+        return len(self.waiting) + len(self.running)
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        rows = [_Row(r, self._row_generator(r.params)) for r in requests]
-        prefill = self._prefill(requests)
-        logits, cache, attention_mask = prefill.logits, prefill.cache, prefill.attention_mask
-        positions = torch.tensor([len(r.prefix_ids) - 1 for r in requests])
-        max_steps = max(r.params.max_new_tokens for r in requests)
-        for _ in range(max_steps):
-            for row, row_logits in zip(rows, logits, strict=True):
-                if row.finish_reason is None:
-                    row.sample(row_logits)
-            positions += 1
-            for row, position in zip(rows, positions.tolist(), strict=True):
-                if row.finish_reason is None and position >= self.max_positions - 1:
-                    row.finish_reason = "context"
-            if all(row.finish_reason is not None for row in rows):
-                break
-            next_ids = torch.tensor(
-                [row.token_ids[-1] if row.token_ids else self.pad_token_id for row in rows]
-            )
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones(len(rows), 1, dtype=torch.long)], 1
-            )
-            logits = self._forward(next_ids[:, None], attention_mask, positions[:, None], cache)
-        self._remember(rows, prefill.cached, cache, attention_mask)
-        return [
-            GenerationResult(
-                token_ids=row.token_ids,
-                logprobs=row.logprobs,
-                finish_reason=row.finish_reason or "length",
-                prefill_tokens=len(row.request.prefix_ids) - cached,
-                cached_tokens=cached,
-                entropies=row.entropies,
-            )
-            for row, cached in zip(rows, prefill.cached, strict=True)
-        ]
+    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+        """Admit waiting requests, decode one token of every running row; returns the
+        ``(tag, result)`` of every request that finished."""
+        finished = self._admit() + self._retire()  # a first token may already end a request
+        if self.running:
+            self._decode()
+        return finished + self._retire()
 
-    def _prefill(self, requests: list[GenerationRequest]) -> _Prefill:
-        """Run the uncached part of every prefix (at least its last token) through the model."""
-        matches = [self.cache.match(r.prefix_ids[:-1]) for r in requests]
-        cached = [m.length for m in matches]
-        new = [r.prefix_ids[c:] for r, c in zip(requests, cached, strict=True)]
-        past, width = max(cached), max(len(ids) for ids in new)
-        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        position_ids = torch.zeros((len(requests), width), dtype=torch.long)
-        attention_mask = torch.zeros((len(requests), past + width), dtype=torch.long)
-        for i, (c, ids) in enumerate(zip(cached, new, strict=True)):
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            position_ids[i, width - len(ids) :] = torch.arange(c, c + len(ids))
-            attention_mask[i, past - c : past] = 1
-            attention_mask[i, past + width - len(ids) :] = 1
-            self.cache.stats.prefill_tokens += len(ids)
-            self.cache.stats.cached_tokens += c
-        cache = self._past_cache(matches, past)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
-        return _Prefill(logits, cache, attention_mask, cached)
+    def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
+        """Prefill as many waiting requests as there are free slots, in one forward, and draw
+        their first tokens; a prefix with no room left finishes at once ("context")."""
+        joining: list[_Row] = []
+        refused = []
+        while self.waiting and len(self.running) + len(joining) < self.max_num_seqs:
+            row = self.waiting.popleft()
+            if len(row.request.prefix_ids) >= self.max_positions:
+                row.finish_reason = "context"
+                refused.append((row.tag, row.result()))
+            else:
+                joining.append(row)
+        if joining:
+            first = len(self.running)
+            self.running += joining
+            logits = self._prefill(first, joining)
+            self._record(joining, logits)
+        return refused
 
-    def _past_cache(self, matches: list[Match], past: int) -> DynamicCache:
-        """A batch cache with each row's cached KV right-aligned in ``past`` slots (zeros before):
-        per layer ``(B, kv_heads, past, head_dim)``."""
-        if past == 0:
-            return DynamicCache()
-        heads, _, dim = next(m for m in matches if m.length).pieces[0][0][0].shape
-        layers = []
-        for layer in range(self.model.config.num_hidden_layers):
-            shape = (len(matches), heads, past, dim)
-            keys = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
-            values = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
-            for i, match in enumerate(matches):
-                at = past - match.length
-                for piece in match.pieces:
-                    key, value = piece[layer]
-                    keys[i, :, at : at + key.shape[1]] = key
-                    values[i, :, at : at + key.shape[1]] = value
-                    at += key.shape[1]
-            layers.append((keys, values))
-        return DynamicCache(ddp_cache_data=layers)
+    def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
+        """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
+        least the last token) through the model; returns the logits (k, V) of the last tokens."""
+        longest = max(len(r.request.prefix_ids) + r.request.params.max_new_tokens for r in rows)
+        self.kv.reserve(first + len(rows), min(longest, self.max_positions) + 1)
+        new_ids = []
+        for slot, row in enumerate(rows, start=first):
+            prefix = row.request.prefix_ids
+            match = self.cache.match(prefix[:-1])
+            at = 0
+            for piece in match.pieces:
+                self.kv.write(slot, at, piece)
+                at += piece[0][0].shape[1]
+            row.cached, row.length = match.length, len(prefix)
+            new_ids.append(prefix[match.length :])
+            self.cache.stats.prefill_tokens += len(prefix) - match.length
+            self.cache.stats.cached_tokens += match.length
+        starts = torch.tensor([r.cached for r in rows])
+        counts = torch.tensor([len(ids) for ids in new_ids])
+        input_ids = torch.full((len(rows), int(counts.max())), self.pad_token_id)
+        for i, ids in enumerate(new_ids):
+            input_ids[i, input_ids.shape[1] - len(ids) :] = torch.tensor(ids)
+        return self._forward(input_ids, *self.kv.begin(first, starts, counts))
 
-    def _remember(
-        self, rows: list[_Row], cached: list[int], cache: DynamicCache, attention_mask: torch.Tensor
-    ) -> None:
-        """Insert each row's prefix + fed tokens; only the KV past its cached part is gathered,
-        from the row's real (unmasked) slots, in one gather per layer."""
+    def _decode(self) -> None:
+        """Feed every running row its last sampled token and draw the next one."""
+        rows = self.running
+        lengths = torch.tensor([r.length for r in rows])
+        input_ids = torch.tensor([[r.token_ids[-1]] for r in rows])
+        logits = self._forward(input_ids, *self.kv.begin(0, lengths, torch.ones_like(lengths)))
+        for row in rows:
+            row.length += 1
+        self._record(rows, logits)
+
+    def _record(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        for row, (token, logprob, entropy) in zip(rows, sample_rows(rows, logits), strict=True):
+            row.record(token, logprob, entropy, self.max_positions)
+
+    def _retire(self) -> list[tuple[Hashable, GenerationResult]]:
+        """Finished rows leave the batch: their KV goes to the prefix cache and the last running
+        row moves into the freed slot, so the running rows stay in slots 0..n-1."""
+        done = []
+        for slot in reversed(range(len(self.running))):
+            row = self.running[slot]
+            if row.finish_reason is None:
+                continue
+            self._remember(slot, row)
+            last = len(self.running) - 1
+            if slot != last:
+                self.kv.move(last, slot, self.running[last].length)
+                self.running[slot] = self.running[last]
+            self.running.pop()
+            done.append((row.tag, row.result()))
+        return done[::-1]
+
+    def _remember(self, slot: int, row: _Row) -> None:
+        """Insert the row's prefix + fed tokens (the KV past its cached part)."""
         if not self.cache.enabled:
             return
-        ids = [row.request.prefix_ids + tuple(row.token_ids[:-1]) for row in rows]
-        slots = [
-            mask.nonzero().squeeze(-1)[c : len(row_ids)]
-            for mask, c, row_ids in zip(attention_mask, cached, ids, strict=True)
-        ]
-        longest = max(len(s) for s in slots)
-        if longest == 0:
-            return
-        index = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row_slots in enumerate(slots):
-            index[i, : len(row_slots)] = row_slots
-        new_kv = [self._gather(layer, index.to(self.device)) for layer in cache.layers]
-        for i, (row_ids, c, row_slots) in enumerate(zip(ids, cached, slots, strict=True)):
-            kv = [(k[i, :, : len(row_slots)], v[i, :, : len(row_slots)]) for k, v in new_kv]
-            self.cache.insert(row_ids, kv, start=c)
-
-    @staticmethod
-    def _gather(layer: Any, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``index`` (B, S) slots of each row: (B, kv_heads, S, head_dim)."""
-        batch, heads, _, dim = layer.keys.shape
-        expanded = index[:, None, :, None].expand(batch, heads, index.shape[1], dim)
-        return layer.keys.gather(2, expanded), layer.values.gather(2, expanded)
+        ids = row.request.prefix_ids + tuple(row.token_ids[:-1])
+        self.cache.insert(ids, self.kv.read(slot, row.cached, row.length), start=row.cached)
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Logits of the last position: (B, V) as float32 on the CPU."""
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            position_ids=position_ids.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,  # the LM head only where the next token is drawn
-        )
+        """Logits of each row's last position: (B, V) as float32 on the CPU."""
+        with attending_through_slots(self.model.config):
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=self.kv,
+                use_cache=True,
+                logits_to_keep=1,  # the LM head only where the next token is drawn
+            )
         return out.logits[:, -1, :].float().cpu()
-
-
-@dataclass
-class _Prefill:
-    """logits: (B, V) of each row's last prefix token; cache / attention_mask: (B, ..., P) state
-    after the prefix; cached: prefix tokens per row that came from the prefix cache."""
-
-    logits: torch.Tensor
-    cache: DynamicCache
-    attention_mask: torch.Tensor
-    cached: list[int]

@@ -3,6 +3,7 @@
 from collections import Counter
 
 import pytest
+import torch
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
@@ -96,3 +97,69 @@ def test_selection_rules_keep_the_step_total_and_label_their_branches(
         n.action_ids for t in trees for n in t.nodes
     ]
     assert 0 <= info.planner_seconds <= info.rollout_seconds
+
+
+class GenerateOnly:
+    """Test adapter: the engine seen through ``generate`` alone, as the rollout worker sees vLLM
+    (it then advances the branches in waves, ``WaveStepper``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.version = engine.version
+
+    def generate(self, requests):
+        return self.engine.generate(requests)
+
+    def cache_stats(self):
+        return self.engine.cache_stats()
+
+
+def _leaf_paths(trees):
+    """Per tree, its root-to-leaf action token paths with their rewards and log-probs, sorted:
+    the tree up to the numbering of its nodes (which follows the order branches finish in)."""
+    out = []
+    for tree in trees:
+        paths = []
+        for leaf in tree.leaves():
+            tokens, logprobs, node = [], [], leaf
+            while True:
+                tokens.append(tuple(node.action_ids))
+                logprobs += node.action_logprobs
+                if node.parent_id < 0:
+                    break
+                node = tree.node(node.parent_id)
+            paths.append((tuple(reversed(tokens)), leaf.reward, logprobs))
+        out.append((tree.tree_id, sorted(paths, key=lambda p: p[:2])))
+    return out
+
+
+def test_trees_do_not_depend_on_the_scheduling(tiny_cfg, tiny_policy):
+    """Continuous batching (each branch's next turn submitted when its observation is back), one
+    sequence at a time, and lock-step waves give the same trees: every request has its own seed,
+    derived from its branch's, and a row's tokens do not depend on its batch neighbours."""
+    samples = MultihopTask(tiny_cfg.task.multihop).train_samples()[:6]
+    lease = Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=7)
+    shape = TreeConfig(m=2, n=2, l=1)
+    results = {}
+    for name, max_num_seqs, waves in (
+        ("continuous", 64, False),
+        ("one", 1, False),
+        ("waves", 64, True),
+    ):
+        engine = tiny_cfg.engine.model_copy(update={"max_num_seqs": max_num_seqs})
+        worker = RolloutWorker(tiny_policy, tiny_cfg.task, shape, tiny_cfg.sampling, engine)
+        if waves:
+            worker.engine = GenerateOnly(worker.engine)
+        results[name] = _leaf_paths(trees_from_arrow(worker.expand(lease)))
+    continuous = results["continuous"]
+    assert sum(len(paths) for _, paths in continuous) == 6 * 2 * 3
+    for name in ("one", "waves"):
+        other = results[name]
+        assert [(t, [p[:2] for p in paths]) for t, paths in other] == [
+            (t, [p[:2] for p in paths]) for t, paths in continuous
+        ], name
+        for (_, got), (_, want) in zip(other, continuous, strict=True):
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(
+                    torch.tensor(g[2]), torch.tensor(w[2]), atol=1e-5, rtol=0
+                )

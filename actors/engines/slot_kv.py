@@ -1,0 +1,200 @@
+"""KV memory of the embedded engine: preallocated per-sequence slots written in place.
+
+transformers' ``DynamicCache`` concatenates every new key and value onto the whole past at each
+decode step (a copy of the batch's KV per layer per token) and its SDPA path repeats the grouped
+KV heads for every query head (another copy); a padded batch also keeps feeding finished rows. On
+CPU, where decoding a small model is bound by memory traffic, that put the decode step 7-11x
+above its memory roofline (issue 27). Here each running sequence owns a slot: per layer a
+``(slots, kv_heads, capacity, head_dim)`` buffer for keys and one for values, allocated once
+and grown only when a longer sequence arrives. A step writes each row's new token at that row's
+own length, and attention reads the rows' prefixes as views of the buffers, grouped heads
+sharing their KV (``slot_attention``: measured here, repeating the KV heads cost more than the
+attention itself). Rows are kept compact (row i in slot i), so a decode
+batch is the buffers' first n slots.
+
+``SlotKV`` is handed to the model as ``past_key_values``: Llama / Qwen2 attention layers call
+only ``update(key_states, value_states, layer_idx)`` when the attention mask is given as a 4D
+tensor (transformers 5.20, ``masking_utils._preprocess_mask_arguments`` returns it unchanged).
+The model must run ``slot_attention`` (``attending_through_slots``), which takes that mask as a
+boolean ``(B, 1, q, L)`` tensor, True where a query may attend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+SLOT_ATTENTION = "treegrpo_slots"
+
+
+def slot_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Masked attention over KV views of the slots, grouped heads reading their KV in place.
+
+    query: (B, H, q, D); key, value: (B, Hkv, L, D), H a multiple of Hkv (query head h reads KV
+    head h // (H / Hkv), as ``repeat_kv``, but without repeating: ``enable_gqa``);
+    attention_mask: (B, 1, q, L) bool, True where a query may attend. Returns the output as
+    (B, q, H, D) and no weights, as transformers' attention functions do.
+    """
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def attending_through_slots(config: Any) -> Iterator[None]:
+    """Within the block, the model of ``config`` attends with ``slot_attention``; outside, as
+    it was loaded (a caller may still run the same model itself, e.g. as a reference)."""
+    from transformers import AttentionInterface
+
+    if SLOT_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+    previous = config._attn_implementation
+    config._attn_implementation = SLOT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+class SlotKV:
+    """Per-layer key and value buffers ``(slots, kv_heads, capacity, head_dim)``.
+
+    A token's column is its position on its own path, so a slot holds its sequence from column 0.
+    The last column is scratch: the padding queries of a batched prefill write there, and no
+    sequence reaches it (``capacity`` covers the longest one plus one).
+    Before each forward the engine calls ``begin(first, starts, counts)``: rows ``first..first+k-1``
+    each feed ``counts[r]`` new tokens at columns ``starts[r]..``, left-padded to the longest so
+    that every row's last token comes last (decoding: every count 1). ``update`` then writes them
+    and returns the KV the queries attend over.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.shape = (0, kv_heads, 0, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = [self._empty() for _ in range(layers)]
+        self.values: list[torch.Tensor] = [self._empty() for _ in range(layers)]
+        self._rows = slice(0, 0)
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._width = 0
+
+    def _empty(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+    def token_bytes(self) -> int:
+        """Bytes of KV one token takes over all layers."""
+        _, heads, _, dim = self.shape
+        return 2 * len(self.keys) * heads * dim * self.keys[0].element_size()
+
+    def reserve(self, slots: int, capacity: int) -> None:
+        """At least ``slots`` slots of ``capacity`` columns (scratch included), keeping what is
+        written; a grown buffer takes half again what is asked, so growth stays rare."""
+        old_slots, heads, old_capacity, dim = self.shape
+        if slots <= old_slots and capacity <= old_capacity:
+            return
+        grown = (
+            max(slots, old_slots),
+            heads,
+            max(old_capacity, capacity + capacity // 2)
+            if capacity > old_capacity
+            else old_capacity,
+            dim,
+        )
+        self.shape = grown
+        kept = old_capacity - 1  # the old scratch column is not kept
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = self._empty()
+                if old_slots and kept > 0:
+                    new[:old_slots, :, :kept] = old[:, :, :kept]
+                buffers[i] = new
+
+    def begin(
+        self, first: int, starts: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Place the next forward's tokens; returns its ``(attention_mask, position_ids)``.
+
+        starts, counts: (k,) long. Query i of row r (of Q = max(counts)) is real when
+        i >= Q - counts[r], at position starts[r] + i - (Q - counts[r]); it sees the columns up
+        to its position. A padding query writes to the scratch column and sees the row's first
+        new token only (a row of the mask is never empty). Returns a (k, 1, Q, W) bool mask,
+        W = max(starts + counts), and (k, Q) long position ids (0 on padding)."""
+        k, width_q = len(starts), int(counts.max())
+        offsets = torch.arange(width_q) - (width_q - counts[:, None])  # (k, Q), < 0 on padding
+        real = offsets >= 0
+        positions = torch.where(real, starts[:, None] + offsets, 0)
+        columns = torch.where(real, positions, self.capacity - 1)
+        self._width = int((starts + counts).max())
+        keys = torch.arange(self._width)
+        mask = torch.where(
+            real[..., None], keys <= positions[..., None], keys == starts[:, None, None]
+        )
+        rows = torch.arange(first, first + k)[:, None].expand(k, width_q)
+        self._rows = slice(first, first + k)
+        self._index = (rows.to(self.device), columns.to(self.device))
+        return mask[:, None].to(self.device), positions.to(self.device)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: object = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' KV (k, Hkv, Q, D) and return the rows' KV (k, Hkv, W, D)."""
+        assert self._index is not None, "begin() places the tokens of a forward"
+        rows, columns = self._index
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[rows, :, columns] = key_states.transpose(1, 2)
+        values[rows, :, columns] = value_states.transpose(1, 2)
+        return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
+
+    def write(self, slot: int, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy per-layer KV ``(kv_heads, n, head_dim)`` into ``slot`` at columns ``start..``."""
+        for layer, (key, value) in enumerate(kv):
+            n = key.shape[1]
+            self.keys[layer][slot, :, start : start + n] = key
+            self.values[layer][slot, :, start : start + n] = value
+
+    def read(self, slot: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of ``slot``'s KV at columns ``start..stop-1``, per layer ``(kv_heads, n, D)``."""
+        return [
+            (k[slot, :, start:stop], v[slot, :, start:stop])
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` columns of ``source`` into ``target`` (compaction)."""
+        for buffer in self.keys + self.values:
+            buffer[target, :, :length] = buffer[source, :, :length]
