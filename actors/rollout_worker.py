@@ -67,6 +67,7 @@ def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = F
         seed=seed,
         cache_bytes=cache_bytes,
         max_num_seqs=engine.max_num_seqs,
+        max_kv_bytes=engine.kv_budget(),
     )
 
 

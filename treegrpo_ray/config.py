@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from collections.abc import Mapping
 from fnmatch import fnmatch
 from importlib import resources
@@ -347,7 +348,20 @@ class EngineConfig(_Section):
         description="hf: sequences decoded at once (continuous batching; more wait for a free "
         "slot). vLLM has its own (engine.vllm.max_num_seqs).",
     )
+    max_kv_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="hf: most bytes the KV of the running sequences may take; requests beyond "
+        "it wait for rows to finish (a request runs alone if it alone is over). Null: a quarter "
+        "of the node's memory. The prefix cache has its own budget (cache_bytes).",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    def kv_budget(self) -> int:
+        """``max_kv_bytes``, or a quarter of this node's physical memory."""
+        if self.max_kv_bytes is not None:
+            return self.max_kv_bytes
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
     def weights_dtype(self) -> str:
         """The dtype the engine computes in, and so the one the learner ships new weights in:

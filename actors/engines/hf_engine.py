@@ -12,8 +12,10 @@ its batch, nor on when it joined.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -36,6 +38,18 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     sorted_probs[outside] = 0.0
     nucleus = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return nucleus / nucleus.sum()
+
+
+@dataclass(frozen=True)
+class ForwardTrace:
+    """One forward of the engine (``HFEngine.trace``): a prefill of joining requests or a decode
+    step; rows, tokens fed, KV tokens attended over (the rows' lengths after it), seconds."""
+
+    kind: str
+    rows: int
+    tokens: int
+    context: int
+    seconds: float
 
 
 class _Row:
@@ -129,7 +143,9 @@ class HFEngine:
     model: a ``PreTrainedModel`` (Llama / Qwen2 attention; the engine's forwards run it with
     ``slot_attention``); pad_token_id: kept for callers (rows are never padded);
     seed: seeds the generator of requests without their own seed; cache_bytes: memory budget of
-    the prefix KV cache (0 turns it off); max_num_seqs: sequences decoded at once (more wait).
+    the prefix KV cache (0 turns it off); max_num_seqs: sequences decoded at once (more wait);
+    max_kv_bytes: most bytes the running rows' KV slots may take (None: no bound); a request
+    that would take them past it waits for rows to finish, unless it would run alone.
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
     requests as they become known (the rollout worker submits an episode's next turn when its
@@ -145,6 +161,7 @@ class HFEngine:
         seed: int = 0,
         cache_bytes: int = 0,
         max_num_seqs: int = 64,
+        max_kv_bytes: int | None = None,
     ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
@@ -152,6 +169,8 @@ class HFEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self.max_positions = int(model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
+        self.max_kv_bytes = max_kv_bytes
+        self.peak_kv_bytes = 0  # the most the KV slots held
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
         config = model.config
@@ -167,6 +186,7 @@ class HFEngine:
         )
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i
+        self.trace: list[ForwardTrace] | None = None  # a list: every forward is recorded there
 
     def load_weights(self, version: int, payload: dict[str, torch.Tensor] | LoraPayload) -> None:
         """Switch to policy ``version``: a full state dict, or a LoRA adapter applied to the
@@ -243,24 +263,39 @@ class HFEngine:
         joining: list[_Row] = []
         refused = []
         while self.waiting and len(self.running) + len(joining) < self.max_num_seqs:
-            row = self.waiting.popleft()
+            row = self.waiting[0]
             if len(row.request.prefix_ids) >= self.max_positions:
                 row.finish_reason = "context"
-                refused.append((row.tag, row.result()))
+                refused.append((row.tag, self.waiting.popleft().result()))
+            elif self._fits(len(self.running) + len(joining), joining + [row]):
+                joining.append(self.waiting.popleft())
             else:
-                joining.append(row)
+                break
         if joining:
             first = len(self.running)
             self.running += joining
             logits = self._prefill(first, joining)
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.nbytes)
             self._record(joining, logits)
         return refused
+
+    def _capacity(self, rows: list[_Row]) -> int:
+        """KV columns the rows' requests can need: prefix + new tokens, plus the scratch."""
+        longest = max(len(r.request.prefix_ids) + r.request.params.max_new_tokens for r in rows)
+        return min(longest, self.max_positions) + 1
+
+    def _fits(self, running: int, joining: list[_Row]) -> bool:
+        """Whether the slots, grown for ``joining`` beside ``running`` rows, stay within
+        ``max_kv_bytes`` (always true for the first row: a request runs, alone if need be)."""
+        if self.max_kv_bytes is None or running + len(joining) == 1:
+            return True
+        slots, capacity = self.kv.grown(running + len(joining), self._capacity(joining))
+        return self.kv.bytes_for(slots, capacity) <= self.max_kv_bytes
 
     def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
         """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
         least the last token) through the model; returns the logits (k, V) of the last tokens."""
-        longest = max(len(r.request.prefix_ids) + r.request.params.max_new_tokens for r in rows)
-        self.kv.reserve(first + len(rows), min(longest, self.max_positions) + 1)
+        self.kv.reserve(first + len(rows), self._capacity(rows))
         new_ids = []
         for slot, row in enumerate(rows, start=first):
             prefix = row.request.prefix_ids
@@ -278,14 +313,17 @@ class HFEngine:
         input_ids = torch.full((len(rows), int(counts.max())), self.pad_token_id)
         for i, ids in enumerate(new_ids):
             input_ids[i, input_ids.shape[1] - len(ids) :] = torch.tensor(ids)
-        return self._forward(input_ids, *self.kv.begin(first, starts, counts))
+        sizes = (int(counts.sum()), int((starts + counts).sum()))
+        return self._forward("prefill", input_ids, *sizes, *self.kv.begin(first, starts, counts))
 
     def _decode(self) -> None:
         """Feed every running row its last sampled token and draw the next one."""
         rows = self.running
         lengths = torch.tensor([r.length for r in rows])
         input_ids = torch.tensor([[r.token_ids[-1]] for r in rows])
-        logits = self._forward(input_ids, *self.kv.begin(0, lengths, torch.ones_like(lengths)))
+        begun = self.kv.begin(0, lengths, torch.ones_like(lengths))
+        sizes = (len(rows), int(lengths.sum()) + len(rows))
+        logits = self._forward("decode", input_ids, *sizes, *begun)
         for row in rows:
             row.length += 1
         self._record(rows, logits)
@@ -319,9 +357,17 @@ class HFEngine:
         self.cache.insert(ids, self.kv.read(slot, row.cached, row.length), start=row.cached)
 
     def _forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        kind: str,
+        input_ids: torch.Tensor,
+        tokens: int,
+        context: int,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits of each row's last position: (B, V) as float32 on the CPU."""
+        """Logits of each row's last position: (B, V) as float32 on the CPU. ``kind``, ``tokens``
+        (real tokens fed) and ``context`` (KV tokens attended over) go to ``trace``."""
+        start = time.perf_counter()
         with attending_through_slots(self.model.config):
             out = self.model(
                 input_ids=input_ids.to(self.device),
@@ -331,4 +377,8 @@ class HFEngine:
                 use_cache=True,
                 logits_to_keep=1,  # the LM head only where the next token is drawn
             )
-        return out.logits[:, -1, :].float().cpu()
+        logits = out.logits[:, -1, :].float().cpu()
+        if self.trace is not None:
+            seconds = time.perf_counter() - start
+            self.trace.append(ForwardTrace(kind, len(input_ids), tokens, context, seconds))
+        return logits

@@ -117,21 +117,26 @@ class SlotKV:
         _, heads, _, dim = self.shape
         return 2 * len(self.keys) * heads * dim * self.keys[0].element_size()
 
+    def grown(self, slots: int, capacity: int) -> tuple[int, int]:
+        """The (slots, capacity) that ``reserve(slots, capacity)`` leaves: what is there, or
+        more; a grown capacity takes half again what is asked, so growth stays rare."""
+        old_slots, _, old_capacity, _ = self.shape
+        if capacity > old_capacity:
+            capacity = max(old_capacity, capacity + capacity // 2)
+        return max(slots, old_slots), max(capacity, old_capacity)
+
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        """Bytes the buffers hold at ``slots`` x ``capacity``."""
+        return slots * capacity * self.token_bytes()
+
     def reserve(self, slots: int, capacity: int) -> None:
         """At least ``slots`` slots of ``capacity`` columns (scratch included), keeping what is
-        written; a grown buffer takes half again what is asked, so growth stays rare."""
+        written (``grown``)."""
         old_slots, heads, old_capacity, dim = self.shape
         if slots <= old_slots and capacity <= old_capacity:
             return
-        grown = (
-            max(slots, old_slots),
-            heads,
-            max(old_capacity, capacity + capacity // 2)
-            if capacity > old_capacity
-            else old_capacity,
-            dim,
-        )
-        self.shape = grown
+        new_slots, new_capacity = self.grown(slots, capacity)
+        self.shape = (new_slots, heads, new_capacity, dim)
         kept = old_capacity - 1  # the old scratch column is not kept
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):

@@ -22,6 +22,18 @@ def _requests():
     return requests + [GenerationRequest((5, 6, 7), SamplingParams(0.0, 1.0, 7))]
 
 
+def _run(engine, requests):
+    """Submit every request, step until all are done; returns results by request index and the
+    most rows that ran at once."""
+    for i, request in enumerate(requests):
+        engine.submit(request, tag=i)
+    results, most = {}, 0
+    while engine.pending():
+        results.update(engine.step())
+        most = max(most, len(engine.running))
+    return results, most
+
+
 def test_a_request_gives_the_same_tokens_whatever_the_batch_bound():
     """With at most 2 sequences in flight, the others wait and join as rows finish; every
     request gets the tokens and log-probs it gets in one batch of all, and the bound holds."""
@@ -29,12 +41,7 @@ def test_a_request_gives_the_same_tokens_whatever_the_batch_bound():
     requests = _requests()
     unbounded = HFEngine(model, pad_token_id=0, cache_bytes=2**20).generate(requests)
     bounded = HFEngine(model, pad_token_id=0, cache_bytes=2**20, max_num_seqs=2)
-    for i, request in enumerate(requests):
-        bounded.submit(request, tag=i)
-    results, most = {}, 0
-    while bounded.pending():
-        results.update(bounded.step())
-        most = max(most, len(bounded.running))
+    results, most = _run(bounded, requests)
     assert most == 2 and bounded.kv.slots == 2
     for i, want in enumerate(unbounded):
         got = results[i]
@@ -74,3 +81,19 @@ def test_slots_grow_and_keep_what_they_hold():
         assert torch.equal(key, want_key) and torch.equal(value, want_value)
     kv.move(0, 2, 3)
     assert torch.equal(kv.read(2, 0, 3)[1][0], written[1][0])
+
+
+def test_a_kv_byte_budget_bounds_the_batch_and_changes_no_token():
+    """Under a budget of about three sequences' KV the engine never holds more, requests wait
+    their turn, and every request still gets the tokens it gets without a bound."""
+    model = build_tiny_model(TinyModelConfig(num_layers=2), vocab_size=VOCAB, seed=2).eval()
+    requests = _requests()
+    free = HFEngine(model, pad_token_id=0).generate(requests)
+    probe = HFEngine(model, pad_token_id=0)
+    longest = max(len(r.prefix_ids) + r.params.max_new_tokens for r in requests) + 1
+    budget = 3 * int(1.5 * longest) * probe.kv.token_bytes()
+    bounded = HFEngine(model, pad_token_id=0, max_kv_bytes=budget)
+    results, most = _run(bounded, requests)
+    assert 1 < most < len(requests)
+    assert 0 < bounded.peak_kv_bytes <= budget
+    assert [results[i].token_ids for i in range(len(requests))] == [r.token_ids for r in free]

@@ -1,0 +1,241 @@
+"""The real-model loop against this machine's limits, measured in one run (issue 27).
+
+First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidth and float32
+matmul throughput (1024 x 1024), with the run's torch threads. Then a preset's real workload, in
+this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts by the preset's
+warm-started policy (fixed lease seeds, the preset's tree shape and sampling, the embedded engine
+with its trace on), each followed by the learner's update on its trees (``Learner.update``, the
+preset's PPO and LoRA settings).
+
+Reported, as ratios to the limits:
+- rollout: generated tokens/s (the whole ``RolloutWorker.expand``: engine, environment, retrieval);
+- decode steps: time against the memory roofline, all weights plus the rows' KV read once at the
+  read bandwidth (``--`` per batch-size bucket, median over the steps);
+- prefill: FLOP/s (2 x non-embedding parameters per token, plus the LM head at one position a row)
+  against the matmul throughput;
+- learner: unique tokens/s of the reference pass (forward) and of forward + backward, and their
+  FLOP/s against the matmul throughput: a forward costs 2 x non-embedding parameters per token plus
+  the LM head where an action token is predicted; a LoRA backward costs one forward more (input
+  gradients; the adapter's own are negligible), a full one two. Attention is not counted.
+
+    python benchmarks/realmodel_loop.py [--preset smollm2-135m-search-qa] [--updates 3]
+        [--threads 2] [--out benchmarks/results/realmodel_loop]
+
+Run it on an otherwise idle machine; the preset's model must be prepared and warm-started (the
+first ``treegrpo train`` of the preset does both, or ``treegrpo warmstart PRESET``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from treegrpo_ray.actors.engines.hf_engine import ForwardTrace, HFEngine
+from treegrpo_ray.actors.rollout_worker import RolloutWorker
+from treegrpo_ray.actors.schedule import Lease, load_task
+from treegrpo_ray.cluster.train import resolve_model_path
+from treegrpo_ray.config import load_config
+from treegrpo_ray.learners.learner import Learner
+from treegrpo_ray.tree import batch_info, trees_from_arrow
+
+BUCKETS = ((1, 7), (8, 15), (16, 10**6))
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_limits() -> dict[str, float]:
+    """Read and copy bandwidth (GB/s) and float32 matmul throughput (GFLOP/s)."""
+    big = torch.rand(2**27)  # 512 MiB
+    out = torch.empty_like(big)
+    read = big.nbytes / _median_seconds(big.sum, 5) / 1e9
+    copy = 2 * big.nbytes / _median_seconds(lambda: out.copy_(big), 5) / 1e9
+    a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
+    matmul = 2 * 1024**3 / _median_seconds(lambda: a @ b, 20) / 1e9
+    return {"read_gb_s": read, "copy_gb_s": copy, "matmul_gflop_s": matmul}
+
+
+def model_sizes(engine: HFEngine) -> dict[str, float]:
+    """Bytes of all weights, non-embedding parameters, LM-head parameters, KV bytes per token."""
+    model = engine.model
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    return {
+        "weight_bytes": sum(p.nbytes for p in model.parameters()),
+        "body_params": params - embedding,
+        "head_params": model.get_output_embeddings().weight.numel(),
+        "kv_token_bytes": engine.kv.token_bytes(),
+    }
+
+
+def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, dict]:
+    """Per batch-size bucket: steps, median ms, median ratio to the memory roofline."""
+    out = {}
+    for low, high in BUCKETS:
+        steps = [t for t in trace if t.kind == "decode" and low <= t.rows <= high]
+        if not steps:
+            continue
+        roofline = [
+            (sizes["weight_bytes"] + t.context * sizes["kv_token_bytes"])
+            / (limits["read_gb_s"] * 1e9)
+            for t in steps
+        ]
+        out[f"{low}-{high if high < 10**6 else ''}"] = {
+            "steps": len(steps),
+            "median_rows": statistics.median(t.rows for t in steps),
+            "median_context": statistics.median(t.context for t in steps),
+            "median_ms": 1e3 * statistics.median(t.seconds for t in steps),
+            "roofline_ratio": statistics.median(
+                t.seconds / r for t, r in zip(steps, roofline, strict=True)
+            ),
+        }
+    return out
+
+
+def prefill_rate(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
+    steps = [t for t in trace if t.kind == "prefill"]
+    tokens = sum(t.tokens for t in steps)
+    seconds = sum(t.seconds for t in steps)
+    flops = sum(
+        2 * sizes["body_params"] * t.tokens + 2 * sizes["head_params"] * t.rows for t in steps
+    )
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "matmul_ratio": flops / seconds / (limits["matmul_gflop_s"] * 1e9),
+    }
+
+
+def learner_rates(updates: list[dict], sizes: dict, limits: dict, lora: bool) -> dict[str, float]:
+    tokens = sum(u["learner/tokens"] for u in updates)
+    actions = sum(u["actions"] for u in updates)
+    forward = 2 * sizes["body_params"] * tokens + 2 * sizes["head_params"] * actions
+    ref_s = sum(u["timing/ref_logprobs"] for u in updates)
+    opt_s = sum(u["timing/optimize"] for u in updates)
+    matmul = limits["matmul_gflop_s"] * 1e9
+    return {
+        "unique_tokens": tokens,
+        "reference_tokens_per_s": tokens / ref_s,
+        "reference_matmul_ratio": forward / ref_s / matmul,
+        "train_tokens_per_s": tokens / opt_s,
+        "train_matmul_ratio": (2 if lora else 3) * forward / opt_s / matmul,
+    }
+
+
+def run(preset: str, updates: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    limits = machine_limits()
+    cfg = load_config(preset)
+    path = resolve_model_path(cfg, progress=False)
+    worker = RolloutWorker(
+        path,
+        cfg.task,
+        cfg.tree,
+        cfg.sampling,
+        cfg.engine,
+        seed=cfg.train.seed,
+        torch_threads=threads,
+        prompt_format=cfg.model.prompt_format(),
+    )
+    learner = Learner.from_config(cfg, path)
+    engine = worker.engine
+    assert isinstance(engine, HFEngine), "this benchmark reads the embedded engine's trace"
+    engine.trace = []
+    samples = load_task(cfg.task).train_samples()
+    per = cfg.train.prompts_per_step
+    rollouts, learned = [], []
+    for step in range(updates):
+        groups = tuple((g, samples[g % len(samples)]) for g in range(step * per, (step + 1) * per))
+        start = time.perf_counter()
+        table = worker.expand(Lease(step, groups, seed=1000 + step))
+        seconds = time.perf_counter() - start
+        generated = sum(b.generated_tokens for b in batch_info(table).budgets.values())
+        rollouts.append({"seconds": seconds, "generated_tokens": generated})
+        trees = trees_from_arrow(table)
+        metrics = learner.update(trees)
+        metrics["actions"] = sum(len(n.action_ids) for t in trees for n in t.nodes)
+        learned.append(metrics)
+        print(
+            f"update {step + 1}: rollout {seconds:.1f} s, {generated} tokens; "
+            f"learner {metrics['timing/ref_logprobs'] + metrics['timing/optimize']:.1f} s"
+        )
+    sizes = model_sizes(engine)
+    generated = sum(r["generated_tokens"] for r in rollouts)
+    return {
+        "preset": preset,
+        "threads": threads,
+        "updates": updates,
+        "prompts_per_update": per,
+        "machine": limits,
+        "model": sizes,
+        "rollout": {
+            "generated_tokens": generated,
+            "seconds": sum(r["seconds"] for r in rollouts),
+            "tokens_per_s": generated / sum(r["seconds"] for r in rollouts),
+            "per_update": rollouts,
+        },
+        "decode": decode_ratios(engine.trace, sizes, limits),
+        "prefill": prefill_rate(engine.trace, sizes, limits),
+        "learner": learner_rates(learned, sizes, limits, cfg.model.lora.enabled),
+    }
+
+
+def markdown(r: dict) -> str:
+    m, ro, pf, le = r["machine"], r["rollout"], r["prefill"], r["learner"]
+    lines = [
+        f"# {r['preset']}: the real-model loop against the machine's limits",
+        "",
+        f"{r['updates']} updates of {r['prompts_per_update']} prompts, {r['threads']} torch threads. "
+        f"Machine, measured in the same run: read {m['read_gb_s']:.1f} GB/s, copy "
+        f"{m['copy_gb_s']:.1f} GB/s, float32 matmul {m['matmul_gflop_s']:.0f} GFLOP/s.",
+        "",
+        "| figure | measured | against the limit |",
+        "|---|---|---|",
+        f"| rollout, generated tokens/s | {ro['tokens_per_s']:.1f} | — |",
+        f"| prefill tokens/s | {pf['tokens_per_s']:.0f} | {pf['matmul_ratio']:.2f} of the matmul roofline |",
+    ]
+    for bucket, d in r["decode"].items():
+        lines.append(
+            f"| decode step, batch {bucket} (median {d['median_rows']:.0f} rows, "
+            f"{d['median_context']:.0f} KV tokens; {d['steps']} steps) | {d['median_ms']:.1f} ms "
+            f"| {d['roofline_ratio']:.2f}x the memory roofline |"
+        )
+    lines += [
+        f"| learner reference pass, unique tokens/s | {le['reference_tokens_per_s']:.0f} "
+        f"| {le['reference_matmul_ratio']:.2f} of the matmul roofline |",
+        f"| learner forward + backward, unique tokens/s | {le['train_tokens_per_s']:.0f} "
+        f"| {le['train_matmul_ratio']:.2f} of the matmul roofline |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="smollm2-135m-search-qa")
+    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/realmodel_loop")
+    args = parser.parse_args()
+    result = run(args.preset, args.updates, args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
