@@ -19,7 +19,7 @@ Reported, as ratios to the limits:
   gradients; the adapter's own are negligible), a full one two. Attention is not counted.
 
     python benchmarks/realmodel_loop.py [--preset smollm2-135m-search-qa] [--updates 3]
-        [--threads 2] [--out benchmarks/results/realmodel_loop]
+        [--threads 2] [--set KEY=VALUE ...] [--out benchmarks/results/realmodel_loop]
 
 Run it on an otherwise idle machine; the preset's model must be prepared and warm-started (the
 first ``treegrpo train`` of the preset does both, or ``treegrpo warmstart PRESET``).
@@ -134,10 +134,10 @@ def learner_rates(updates: list[dict], sizes: dict, limits: dict, lora: bool) ->
     }
 
 
-def run(preset: str, updates: int, threads: int) -> dict:
+def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
     torch.set_num_threads(threads)
     limits = machine_limits()
-    cfg = load_config(preset)
+    cfg = load_config(preset, overrides)
     path = resolve_model_path(cfg, progress=False)
     worker = RolloutWorker(
         path,
@@ -175,6 +175,7 @@ def run(preset: str, updates: int, threads: int) -> dict:
     generated = sum(r["generated_tokens"] for r in rollouts)
     return {
         "preset": preset,
+        "overrides": overrides,
         "threads": threads,
         "updates": updates,
         "prompts_per_update": per,
@@ -197,7 +198,8 @@ def markdown(r: dict) -> str:
     lines = [
         f"# {r['preset']}: the real-model loop against the machine's limits",
         "",
-        f"{r['updates']} updates of {r['prompts_per_update']} prompts, {r['threads']} torch threads. "
+        f"{r['updates']} updates of {r['prompts_per_update']} prompts, {r['threads']} torch threads"
+        f"{', ' + ' '.join(r['overrides']) if r['overrides'] else ''}. "
         f"Machine, measured in the same run: read {m['read_gb_s']:.1f} GB/s, copy "
         f"{m['copy_gb_s']:.1f} GB/s, float32 matmul {m['matmul_gflop_s']:.0f} GFLOP/s.",
         "",
@@ -227,9 +229,10 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm2-135m-search-qa")
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default="benchmarks/results/realmodel_loop")
     args = parser.parse_args()
-    result = run(args.preset, args.updates, args.threads)
+    result = run(args.preset, args.updates, args.threads, args.set)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))
