@@ -48,7 +48,8 @@ def cache_key(cfg: JobConfig, base: Path) -> str:
     payload = {
         "version": FORMAT_VERSION,
         "base": str(base),
-        "task": cfg.task.search_qa.model_dump(),
+        # how many held-out questions there are shapes only the log's evaluation, not the weights
+        "task": cfg.task.search_qa.model_dump(exclude={"fixture_heldout", "heldout_questions"}),
         "prompt": [cfg.model.chat_template, cfg.model.system_prompt],
         "lora": cfg.model.lora.model_dump(),
         "warmstart": cfg.warmstart.model_dump(exclude={"cache_dir"}),

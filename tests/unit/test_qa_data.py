@@ -42,8 +42,21 @@ def test_fixture_is_deterministic_and_sized():
     assert len({p.id for p in fixture.passages}) == 200
 
 
+def test_a_larger_heldout_split_extends_the_base_one():
+    base, large = build_fixture(0), build_fixture(0, heldout=200)
+    assert large.passages == base.passages and large.train == base.train
+    assert large.test[:20] == base.test and len(large.test) == 200
+    pairs = {(dict(s.meta)["template"], s.question) for s in large.train + large.test}
+    assert len(pairs) == 280  # no question twice, none a train question
+    assert len({s.uid for s in large.train + large.test}) == 280
+    extra_hops = [dict(s.meta)["hops"] for s in large.test[20:]]
+    assert (extra_hops.count(1), extra_hops.count(2)) == (108, 72)
+    with pytest.raises(ValueError, match="fixture_heldout"):
+        build_fixture(0, heldout=321)
+
+
 def test_every_fixture_answer_is_stated_in_its_last_gold_passage():
-    fixture = build_fixture(0)
+    fixture = build_fixture(0, heldout=320)
     text = {p.id: p.text for p in fixture.passages}
     for sample in fixture.train + fixture.test:
         gold = dict(sample.meta)["gold_ids"]

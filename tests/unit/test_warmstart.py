@@ -113,3 +113,17 @@ def test_split_gradient_accumulation_equals_one_batch():
     assert accumulate_gradients(model, batch) == pytest.approx(reference.item(), rel=1e-6)
     for ref, got in zip(grads, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_protocol_warmstart_key_ignores_how_many_heldout_questions_there_are():
+    """The protocol warm start trains on the train questions: a larger held-out split (or fewer
+    held-out questions kept) reuses the cached warm start; the retrieval settings do not."""
+    from treegrpo_ray.config import load_config
+    from treegrpo_ray.learners.protocol_warmstart import cache_key
+
+    base = Path("/models/smollm2-135m")
+    key = cache_key(load_config("smollm2-135m-search-qa"), base)
+    more = ["task.search_qa.fixture_heldout=300", "task.search_qa.heldout_questions=300"]
+    assert cache_key(load_config("smollm2-135m-search-qa", more), base) == key
+    other = load_config("smollm2-135m-search-qa", ["task.search_qa.top_k=2"])
+    assert cache_key(other, base) != key

@@ -7,7 +7,8 @@ An encyclopedia of made-up entities, one passage each: 20 countries, 50 cities, 
                         works for the Ulmqenta Brewery.
     Morhes            | Morhes is a city located in the country of Brinarmor, founded in the year 1893.
 
-100 questions (60 single-hop, 40 two-hop) ask about those facts; the fact that answers a question
+100 questions (60 single-hop, 40 two-hop) ask about those facts (80 train, 20 held out; up to 300
+more held-out questions on request, ``build_fixture(heldout=...)``); the fact that answers a question
 is in exactly one passage (``meta["gold_ids"]`` lists the passages to read, in hop order). Every
 entity name is made of words no other entity uses, so a lexical retriever can find the passage.
 ``write_fixture`` writes ``corpus.jsonl``, ``train.parquet`` (Search-R1 columns) and ``test.jsonl``
@@ -32,6 +33,9 @@ PROFESSIONS = ("painter", "sailor", "chemist", "poet", "architect", "astronomer"
 ORG_KINDS = ("Shipyard", "Observatory", "Guild", "Academy", "Brewery", "Library")
 COUNTS = {"country": 20, "city": 50, "org": 30, "person": 100}
 SINGLE_HOP, TWO_HOP, TEST_QUESTIONS = 60, 40, 20
+# Held-out questions the fixture can draw: its 20 plus up to 300 more, well inside the 680
+# (template, subject) pairs the 100 base questions leave (410 single-hop, 290 two-hop).
+MAX_HELDOUT = 320
 DATA_SOURCE = "fixture"
 
 # name -> (subject kind, relations followed, question with {e}); relations read the facts below.
@@ -123,15 +127,21 @@ def _sentence(name: str, f: dict[str, str]) -> str:
 
 
 def _questions(
-    rng: random.Random, facts: dict[str, dict[str, str]], ids: dict[str, str]
+    rng: random.Random,
+    facts: dict[str, dict[str, str]],
+    ids: dict[str, str],
+    seen: set[tuple[str, str]],
+    counts: tuple[int, int],
+    first_id: int = 0,
 ) -> list[Sample]:
-    """60 single-hop and 40 two-hop questions, no (template, subject) pair twice, shuffled."""
+    """``counts`` = (single-hop, two-hop) questions, no (template, subject) pair in ``seen`` (which
+    grows) and no two-hop question whose first passage names its answer, shuffled; ids
+    ``fixture-{first_id}`` on."""
     by_kind: dict[str, list[str]] = {}
     for name, f in facts.items():
         by_kind.setdefault(f["kind"], []).append(name)
-    seen: set[tuple[str, str]] = set()
     samples: list[Sample] = []
-    for hops, count in ((1, SINGLE_HOP), (2, TWO_HOP)):
+    for hops, count in zip((1, 2), counts, strict=True):
         names = [t for t, (_, rels, _) in TEMPLATES.items() if len(rels) == hops]
         made = 0
         while made < count:
@@ -144,6 +154,8 @@ def _questions(
             path = [subject]
             for rel in relations:
                 path.append(facts[path[-1]][rel])
+            if any(path[-1] in _sentence(e, facts[e]) for e in path[:-2]):
+                continue  # the first hop's passage already names the answer: no second hop needed
             meta = (
                 ("data_source", DATA_SOURCE),
                 ("template", template),
@@ -151,20 +163,42 @@ def _questions(
                 ("gold_ids", tuple(ids[e] for e in path[:-1])),
             )
             question = text.format(e=subject)
-            samples.append(Sample(f"fixture-{len(samples)}", question, (path[-1],), meta))
+            samples.append(
+                Sample(f"fixture-{first_id + len(samples)}", question, (path[-1],), meta)
+            )
             made += 1
     rng.shuffle(samples)
     return samples
 
 
-def build_fixture(seed: int = 0) -> QAFixture:
-    """The fixture of ``seed``: 200 passages, 80 train and 20 test questions."""
+def extra_counts(extra: int) -> tuple[int, int]:
+    """(single-hop, two-hop) of ``extra`` more held-out questions, in the base set's 60:40 mix."""
+    two_hop = round(extra * TWO_HOP / (SINGLE_HOP + TWO_HOP))
+    return extra - two_hop, two_hop
+
+
+def build_fixture(seed: int = 0, heldout: int = TEST_QUESTIONS) -> QAFixture:
+    """The fixture of ``seed``: 200 passages, 80 train and ``heldout`` test questions.
+
+    The first 20 test questions and the train questions do not depend on ``heldout``; beyond 20,
+    more test questions are drawn after them from the same generator (60:40 single-hop to two-hop,
+    no (template, subject) pair of any other question), at most ``MAX_HELDOUT``."""
+    if not TEST_QUESTIONS <= heldout <= MAX_HELDOUT:
+        raise ValueError(
+            f"the QA fixture has {TEST_QUESTIONS} to {MAX_HELDOUT} held-out questions, not "
+            f"{heldout}; set task.search_qa.fixture_heldout in that range"
+        )
     rng = random.Random(f"qa-fixture-{seed}")
     facts = _facts(rng)
     ids = {name: f"doc-{i}" for i, name in enumerate(facts)}
     passages = tuple(Passage(ids[n], n, _sentence(n, f)) for n, f in facts.items())
-    samples = _questions(rng, facts, ids)
-    return QAFixture(passages, tuple(samples[TEST_QUESTIONS:]), tuple(samples[:TEST_QUESTIONS]))
+    seen: set[tuple[str, str]] = set()
+    samples = _questions(rng, facts, ids, seen, (SINGLE_HOP, TWO_HOP))
+    extra = _questions(
+        rng, facts, ids, seen, extra_counts(heldout - TEST_QUESTIONS), first_id=len(samples)
+    )
+    test = samples[:TEST_QUESTIONS] + extra
+    return QAFixture(passages, tuple(samples[TEST_QUESTIONS:]), tuple(test))
 
 
 def write_fixture(directory: str | Path, seed: int = 0) -> dict[str, Path]:

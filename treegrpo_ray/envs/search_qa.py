@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from treegrpo_ray.envs.base import EpisodeState, Sample, StepResult
-from treegrpo_ray.envs.qa_fixture import QAFixture, build_fixture
+from treegrpo_ray.envs.qa_fixture import MAX_HELDOUT, TEST_QUESTIONS, QAFixture, build_fixture
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.qa_data import QUESTION_SUFFIXES, Passage, load_samples, search_r1_prompt
 from treegrpo_ray.rewards import exact_match, format_aware_em
@@ -53,6 +53,14 @@ class SearchQAConfig(BaseModel, extra="forbid"):
         "(treegrpo_ray/envs/qa_fixture.py) instead of files; the paths must then be null.",
     )
     fixture_seed: int = Field(0, description="Seed of the built-in fixture.")
+    fixture_heldout: int = Field(
+        TEST_QUESTIONS,
+        ge=TEST_QUESTIONS,
+        le=MAX_HELDOUT,
+        description="Held-out questions of the built-in fixture: its first 20, and beyond them more "
+        "drawn from the same generator (the train questions stay the same). 200 tell a 10-point "
+        "difference in exact match apart; 20 make one question 5 points.",
+    )
     train_path: str | None = Field(
         None,
         description="Train questions: Search-R1 .parquet or FlashRAG .jsonl/.json (by extension).",
@@ -151,7 +159,7 @@ class SearchQATask:
 
     @cached_property
     def _fixture(self) -> QAFixture:
-        return build_fixture(self.cfg.fixture_seed)
+        return build_fixture(self.cfg.fixture_seed, self.cfg.fixture_heldout)
 
     def _load(self, path: str | None, limit: int | None = None) -> list[Sample]:
         if path is None:
