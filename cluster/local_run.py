@@ -44,7 +44,7 @@ class LocalRun:
             cfg.engine,
             seed=cfg.train.seed,
             torch_threads=cfg.cluster.torch_threads,
-            lora=cfg.model.lora.enabled,
+            lora=cfg.engine.adapter_updates(cfg.model.lora.enabled),
             prompt_format=cfg.model.prompt_format(),
         )
         self.learner = Learner.from_config(cfg, model_path)
@@ -72,9 +72,7 @@ class LocalRun:
         trees, metrics = pull_batch(batches, train.prompts_per_step, self.learner.version, 0)
         with timed(metrics, "update"):
             metrics.update(self.learner.update(trees))
-        self.worker.load_weights(
-            self.learner.version, self.learner.policy_state(self.cfg.engine.weights_dtype())
-        )
+        self.worker.load_weights(self.learner.version, self.learner.engine_state(self.cfg.engine))
         self.train_seconds += time.perf_counter() - started
         return metrics
 

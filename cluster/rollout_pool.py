@@ -94,7 +94,7 @@ class RolloutPool:
                 seed=self.cfg.train.seed + worker_id,
                 torch_threads=self.cfg.cluster.torch_threads,
                 search=self.search,
-                lora=self.cfg.model.lora.enabled,
+                lora=self.cfg.engine.adapter_updates(self.cfg.model.lora.enabled),
                 prompt_format=self.cfg.model.prompt_format(),
             )
         )

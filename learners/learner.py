@@ -21,7 +21,7 @@ import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
 from treegrpo_ray.budget import Budget
-from treegrpo_ray.config import JobConfig, LoraSettings, PPOConfig
+from treegrpo_ray.config import EngineConfig, JobConfig, LoraSettings, PPOConfig
 from treegrpo_ray.engine import LoraPayload
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import (
@@ -112,6 +112,26 @@ def packed_logprobs(
     logprobs = torch.zeros(width, device=pos.device).index_put((pos,), action_logprobs)
     entropy = torch.zeros(width, device=pos.device).index_put((pos,), action_entropy)
     return logprobs, entropy
+
+
+@torch.no_grad()
+def merged_lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict (base model names) that peft's ``merge_and_unload`` would leave, without
+    changing ``model``: each LoRA layer's weight plus its active adapters' deltas."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            deltas[f"{name}.base_layer.weight"] = sum(
+                module.get_delta_weight(adapter) for adapter in module.active_adapters
+            )
+    return {
+        key.replace(".base_layer.", "."): value + deltas[key] if key in deltas else value
+        for key, value in base.state_dict().items()
+        if ".lora_" not in key
+    }
 
 
 @dataclass
@@ -461,10 +481,13 @@ class Learner:
         self.optimizer.step()
         return {**stats, "learner/grad_norm": float(grad_norm)}
 
-    def policy_state(self, dtype: str = "float32") -> dict[str, torch.Tensor] | LoraPayload:
+    def policy_state(
+        self, dtype: str = "float32", merge_lora: bool = False
+    ) -> dict[str, torch.Tensor] | LoraPayload:
         """What rollout engines load: a detached CPU copy of the weights, or with LoRA only the
-        adapter (its tensors and peft config), floating tensors in the engine's ``dtype``
-        (bfloat16 halves what a bfloat16 engine is sent)."""
+        adapter (its tensors and peft config) unless ``merge_lora`` asks for the base weights with
+        the adapter added; floating tensors in the engine's ``dtype`` (bfloat16 halves what a
+        bfloat16 engine is sent)."""
         cast = getattr(torch, dtype)
 
         def to_engine(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -475,10 +498,16 @@ class Learner:
 
         if not self.lora:
             return to_engine(self.model.state_dict())
+        if merge_lora:
+            return to_engine(merged_lora_state(self.model))
         from peft import get_peft_model_state_dict
 
         adapter = get_peft_model_state_dict(self.model)
         return LoraPayload(to_engine(adapter), self.model.peft_config["default"].to_dict())
+
+    def engine_state(self, engine: EngineConfig) -> dict[str, torch.Tensor] | LoraPayload:
+        """``policy_state`` as ``engine`` loads it: in its dtype, LoRA as adapters or merged."""
+        return self.policy_state(engine.weights_dtype(), not engine.adapter_updates(self.lora))
 
     def save_trees(self, run_dir: Path, trees: list[Tree], metrics: dict[str, float]) -> Path:
         """Write the trees of the last update, with what it gave each node and its ``metrics``,
@@ -589,7 +618,7 @@ def train_loop_per_worker(config: dict) -> None:
     if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint
         learner.load_state_dict(load_checkpoint(latest))
     if first and (latest is not None or restarted):
-        weights = ray.put(learner.policy_state(cfg.engine.weights_dtype()))
+        weights = ray.put(learner.engine_state(cfg.engine))
         ray.get(controller.restore.remote(learner.version, [weights]))
     cycle_start, publish_s = time.perf_counter(), 0.0
     while learner.version < cfg.train.steps:
@@ -616,7 +645,7 @@ def train_loop_per_worker(config: dict) -> None:
             idle = metrics["queue/wait_s"] + publish_s
             metrics["learner/idle_frac"] = idle / (time.perf_counter() - cycle_start)
             cycle_start = time.perf_counter()
-            weights = ray.put(learner.policy_state(cfg.engine.weights_dtype()))
+            weights = ray.put(learner.engine_state(cfg.engine))
             groups = sorted({t.group_id for t in trees})
             ray.get(controller.publish.remote(learner.version, [weights], metrics, groups))
             publish_s = time.perf_counter() - cycle_start

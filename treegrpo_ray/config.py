@@ -293,6 +293,13 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_model_len: int | None = Field(None, gt=0, description="Context length; null: model's.")
     max_lora_rank: int = Field(16, gt=0, description="Largest LoRA rank the engine accepts.")
+    lora_updates: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="With model.lora: what each update sends vLLM. adapter: the LoRA tensors, "
+        "served through vLLM's LoRA kernels; merged: the base weights with the adapter added "
+        "(a full state dict in engine.vllm.dtype; vLLM then decodes as the plain model). The "
+        "learner trains the adapter either way. benchmarks/rollout_engines.py measures both.",
+    )
     entropy_topk: int = Field(
         20,
         ge=0,
@@ -362,6 +369,12 @@ class EngineConfig(_Section):
         if self.max_kv_bytes is not None:
             return self.max_kv_bytes
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+    def adapter_updates(self, lora: bool) -> bool:
+        """Whether a LoRA policy (``lora``) reaches the engine as adapters: always on the
+        embedded engine (it merges them itself), on vLLM unless ``vllm.lora_updates`` is
+        merged (the learner then sends merged weights)."""
+        return lora and not (self.kind == "vllm" and self.vllm.lora_updates == "merged")
 
     def weights_dtype(self) -> str:
         """The dtype the engine computes in, and so the one the learner ships new weights in:

@@ -185,6 +185,40 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_c
     assert payload.adapter_state and all("lora_" in k for k in payload.adapter_state)
 
 
+def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, tiny_policy):
+    """engine.vllm.lora_updates=merged: vLLM gets the base weights with the adapter added, a
+    plain state dict with the base model's names whose model computes what the trained adapter
+    does; the learner's model (and so its reference) is left as it was."""
+    from treegrpo_ray.config import LoraSettings
+    from treegrpo_ray.engine import LoraPayload
+    from treegrpo_ray.learners.learner import packed_logprobs
+    from treegrpo_ray.modeling import load_policy
+
+    learner = Learner(
+        tiny_policy, tiny_cfg.ppo, temperature=1.0, lora=LoraSettings(enabled=True, rank=8)
+    )
+    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
+    for _ in range(2):
+        learner.update(trees)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    vllm = tiny_cfg.engine.vllm.model_copy(update={"lora_updates": "merged"})
+    merged_engine = tiny_cfg.engine.model_copy(update={"kind": "vllm", "vllm": vllm})
+    merged = learner.engine_state(merged_engine)
+    assert isinstance(learner.engine_state(tiny_cfg.engine), LoraPayload)  # the embedded engine
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.state_dict().items())
+
+    plain, _ = load_policy(tiny_policy)
+    assert merged.keys() == plain.state_dict().keys()
+    plain.load_state_dict(merged)
+    batch = pack_trees(trees, 4096, learner.tokenizer.pad_token_id)
+    with torch.no_grad():
+        want = packed_logprobs(learner.model, batch, 0)[0]
+        got = packed_logprobs(plain, batch, 0)[0]
+        base = learner._reference_logprobs(batch)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, base, atol=1e-3)  # the adapter really changed the policy
+
+
 def test_bfloat16_mixed_keeps_float32_state_and_follows_the_float32_update(tiny_cfg, tiny_policy):
     """bfloat16-mixed: the forwards run under bfloat16 autocast, while weights, gradients and
     Adam's moments stay float32 (verl's and OpenRLHF's mixed precision); its loss and gradient
