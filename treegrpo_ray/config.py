@@ -298,7 +298,8 @@ class VLLMConfig(_Section):
         description="With model.lora: what each update sends vLLM. adapter: the LoRA tensors, "
         "served through vLLM's LoRA kernels; merged: the base weights with the adapter added "
         "(a full state dict in engine.vllm.dtype; vLLM then decodes as the plain model). The "
-        "learner trains the adapter either way. benchmarks/rollout_engines.py measures both.",
+        "learner trains the adapter either way. Which is faster on a given machine is not measured "
+        "yet (issue 27): adapter stays the default.",
     )
     entropy_topk: int = Field(
         20,
