@@ -363,6 +363,12 @@ class EngineConfig(_Section):
         "it wait for rows to finish (a request runs alone if it alone is over). Null: a quarter "
         "of the node's memory. The prefix cache has its own budget (cache_bytes).",
     )
+    packed_linears: bool = Field(
+        True,
+        description="hf on CPU: linear layers through oneDNN with weights prepacked at each "
+        "update (~2x torch's default MKL path on AMD CPUs, measured in README; holds a second "
+        "copy of the linear weights). False: torch's own path.",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     def kv_budget(self) -> int:
