@@ -68,7 +68,7 @@ def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = F
         cache_bytes=cache_bytes,
         max_num_seqs=engine.max_num_seqs,
         max_kv_bytes=engine.kv_budget(),
-        packed_linears=engine.packed_linears,
+        onednn_linears=engine.onednn_linears,
     )
 
 

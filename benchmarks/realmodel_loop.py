@@ -1,7 +1,8 @@
 """The real-model loop against this machine's limits, measured in one run (issue 27).
 
 First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidth and float32
-matmul throughput (1024 x 1024), with the run's torch threads. Then a preset's real workload, in
+matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
+being the roofline), with the run's torch threads. Then a preset's real workload, in
 this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts by the preset's
 warm-started policy (fixed lease seeds, the preset's tree shape and sampling, the embedded engine
 with its trace on), each followed by the learner's update on its trees (``Learner.update``, the
@@ -9,8 +10,9 @@ preset's PPO and LoRA settings).
 
 Reported, as ratios to the limits:
 - rollout: generated tokens/s (the whole ``RolloutWorker.expand``: engine, environment, retrieval);
-- decode steps: time against the memory roofline, all weights plus the rows' KV read once at the
-  read bandwidth (``--`` per batch-size bucket, median over the steps);
+- decode steps: time against the roofline, the slower of the memory roofline (all weights plus
+  the rows' KV read once at the read bandwidth) and the step's matmuls at the matmul throughput
+  (per batch-size bucket, median over the steps);
 - prefill: FLOP/s (2 x non-embedding parameters per token, plus the LM head at one position a row)
   against the matmul throughput;
 - learner: unique tokens/s of the reference pass (forward) and of forward + backward, and their
@@ -48,6 +50,7 @@ from treegrpo_ray.actors.schedule import Lease, load_task
 from treegrpo_ray.cluster.train import resolve_model_path
 from treegrpo_ray.config import load_config
 from treegrpo_ray.learners.learner import Learner
+from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 from treegrpo_ray.tree import batch_info, trees_from_arrow
 
 BUCKETS = ((1, 7), (8, 15), (16, 10**6))
@@ -64,14 +67,21 @@ def _median_seconds(fn, reps: int) -> float:
 
 
 def machine_limits() -> dict[str, float]:
-    """Read and copy bandwidth (GB/s) and float32 matmul throughput (GFLOP/s)."""
+    """Read and copy bandwidth (GB/s) and float32 matmul throughput (GFLOP/s): torch's own
+    (MKL), oneDNN's with a prepacked weight where torch has it, and the better of the two, the
+    roofline every ratio here is taken against."""
     big = torch.rand(2**27)  # 512 MiB
     out = torch.empty_like(big)
     read = big.nbytes / _median_seconds(big.sum, 5) / 1e9
     copy = 2 * big.nbytes / _median_seconds(lambda: out.copy_(big), 5) / 1e9
-    a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
-    matmul = 2 * 1024**3 / _median_seconds(lambda: a @ b, 20) / 1e9
-    return {"read_gb_s": read, "copy_gb_s": copy, "matmul_gflop_s": matmul}
+    a, layer = torch.rand(1024, 1024), torch.nn.Linear(1024, 1024, bias=False)
+    flops = 2 * 1024**3
+    with torch.no_grad():
+        rates = {"matmul_torch_gflop_s": flops / _median_seconds(lambda: layer(a), 20) / 1e9}
+        if onednn_available(a.device):
+            with OneDNNLinears(layer, batch_hint=1024).active():
+                rates["matmul_onednn_gflop_s"] = flops / _median_seconds(lambda: layer(a), 20) / 1e9
+    return {"read_gb_s": read, "copy_gb_s": copy, "matmul_gflop_s": max(rates.values()), **rates}
 
 
 def model_sizes(engine: HFEngine) -> dict[str, float]:
@@ -87,18 +97,25 @@ def model_sizes(engine: HFEngine) -> dict[str, float]:
     }
 
 
+def decode_roofline(step: ForwardTrace, sizes: dict, limits: dict) -> tuple[float, float]:
+    """Seconds a decode step takes at the limits: all weights plus the rows' KV read once at
+    the read bandwidth, and its matmul FLOPs at the matmul throughput (one token a row)."""
+    memory = (sizes["weight_bytes"] + step.context * sizes["kv_token_bytes"]) / limits["read_gb_s"]
+    flops = 2 * (sizes["body_params"] + sizes["head_params"]) * step.rows
+    return memory / 1e9, flops / limits["matmul_gflop_s"] / 1e9
+
+
 def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, dict]:
-    """Per batch-size bucket: steps, median ms, median ratio to the memory roofline."""
+    """Per batch-size bucket: steps, median ms, median ratio to the roofline (the slower of
+    memory and matmul, ``decode_roofline``) and to the memory roofline alone, and the share of
+    steps the matmuls bound."""
     out = {}
     for low, high in BUCKETS:
         steps = [t for t in trace if t.kind == "decode" and low <= t.rows <= high]
         if not steps:
             continue
-        roofline = [
-            (sizes["weight_bytes"] + t.context * sizes["kv_token_bytes"])
-            / (limits["read_gb_s"] * 1e9)
-            for t in steps
-        ]
+        bounds = [decode_roofline(t, sizes, limits) for t in steps]
+        roofline = [max(b) for b in bounds]
         out[f"{low}-{high if high < 10**6 else ''}"] = {
             "steps": len(steps),
             "median_rows": statistics.median(t.rows for t in steps),
@@ -107,6 +124,10 @@ def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[
             "roofline_ratio": statistics.median(
                 t.seconds / r for t, r in zip(steps, roofline, strict=True)
             ),
+            "memory_roofline_ratio": statistics.median(
+                t.seconds / b[0] for t, b in zip(steps, bounds, strict=True)
+            ),
+            "matmul_bound_share": sum(b[1] > b[0] for b in bounds) / len(bounds),
         }
     return out
 
@@ -209,7 +230,11 @@ def markdown(r: dict) -> str:
         f"{r['updates']} updates of {r['prompts_per_update']} prompts, {r['threads']} torch threads"
         f"{', ' + ' '.join(r['overrides']) if r['overrides'] else ''}. "
         f"Machine, measured in the same run: read {m['read_gb_s']:.1f} GB/s, copy "
-        f"{m['copy_gb_s']:.1f} GB/s, float32 matmul {m['matmul_gflop_s']:.0f} GFLOP/s.",
+        f"{m['copy_gb_s']:.1f} GB/s, float32 matmul {m['matmul_gflop_s']:.0f} GFLOP/s "
+        f"(torch's own {m['matmul_torch_gflop_s']:.0f}, oneDNN prepacked "
+        f"{m.get('matmul_onednn_gflop_s', float('nan')):.0f}; the better is the roofline).",
+        "A decode step's roofline is the slower of reading all weights and the rows' KV once "
+        "and its matmuls at the matmul roofline.",
         "",
         "| figure | measured | against the limit |",
         "|---|---|---|",
@@ -220,7 +245,8 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| decode step, batch {bucket} (median {d['median_rows']:.0f} rows, "
             f"{d['median_context']:.0f} KV tokens; {d['steps']} steps) | {d['median_ms']:.1f} ms "
-            f"| {d['roofline_ratio']:.2f}x the memory roofline |"
+            f"| {d['roofline_ratio']:.2f}x the roofline ({d['memory_roofline_ratio']:.2f}x the "
+            f"memory roofline; matmuls bind {d['matmul_bound_share']:.0%} of steps) |"
         )
     lines += [
         f"| learner reference pass, unique tokens/s | {le['reference_tokens_per_s']:.0f} "

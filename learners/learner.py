@@ -7,6 +7,7 @@ through the controller.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -41,6 +42,7 @@ from treegrpo_ray.learners.distributed import (
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_weights
 from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
 from treegrpo_ray.modeling import load_policy
+from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 from treegrpo_ray.packing import PackedBatch, pack_trees
 from treegrpo_ray.saved_trees import (
     NodeAdvantage,
@@ -215,6 +217,7 @@ class Learner:
         self.skipped_in_a_row = 0
         # per (tree_id, node_id) of the last update's trees: what the loss gave each node
         self.node_advantages: dict[tuple[int, int], NodeAdvantage] = {}
+        self.onednn = self._onednn_linears()
 
     @classmethod
     def from_config(
@@ -234,13 +237,25 @@ class Learner:
     def mixed_precision(self) -> bool:
         return self.ppo.precision == "bfloat16-mixed"
 
+    def _onednn_linears(self) -> OneDNNLinears | None:
+        """oneDNN-packed copies of the frozen linear layers on a CPU learner in float32
+        (``ppo.onednn_linears``): a LoRA policy's base layers and LM head (their input gradients
+        through packed transposes), or the full policy's reference copy."""
+        if not (self.ppo.onednn_linears and onednn_available(self.device)) or self.mixed_precision:
+            return None
+        if self.ref_model is not None:
+            return OneDNNLinears(self.ref_model)
+        return OneDNNLinears(self.model, gradients=True)
+
     def _logprobs(
         self, model: torch.nn.Module, batch: PackedBatch, row: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``packed_logprobs`` of ``row`` under the learner's precision: with bfloat16-mixed the
         forward runs under bfloat16 autocast (tree mask in bfloat16), the log-probs in float32."""
         if not self.mixed_precision:
-            return packed_logprobs(model, batch, row, self.temperature)
+            linears = self.onednn.active() if self.onednn else contextlib.nullcontext()
+            with linears:
+                return packed_logprobs(model, batch, row, self.temperature)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             return packed_logprobs(model, batch, row, self.temperature, torch.bfloat16)
 

@@ -363,7 +363,7 @@ class EngineConfig(_Section):
         "it wait for rows to finish (a request runs alone if it alone is over). Null: a quarter "
         "of the node's memory. The prefix cache has its own budget (cache_bytes).",
     )
-    packed_linears: bool = Field(
+    onednn_linears: bool = Field(
         True,
         description="hf on CPU: linear layers through oneDNN with weights prepacked at each "
         "update (~2x torch's default MKL path on AMD CPUs, measured in README; holds a second "
@@ -500,6 +500,13 @@ class PPOConfig(_Section):
         "and Adam state stay float32 (as verl's FSDP and OpenRLHF's DeepSpeed keep them), the "
         "forwards run under bfloat16 autocast, log-probs and the loss are taken in float32; the "
         "GPU presets' choice (on a CPU without bfloat16 matrix units it is slower, not faster).",
+    )
+    onednn_linears: bool = Field(
+        True,
+        description="A float32 learner on CPU computes its frozen linear layers (a LoRA "
+        "policy's base and LM head, or the reference copy) through oneDNN with prepacked "
+        "weights, ~2x torch's default MKL path on AMD CPUs (README); holds one or two more "
+        "copies of those weights. False: torch's own path.",
     )
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treegrpo_ray.actors.engines.packed_linear import PackedLinears, onednn_available
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import SlotKV, attending_through_slots
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload
+from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -148,8 +148,9 @@ class HFEngine:
     the prefix KV cache (0 turns it off); max_num_seqs: sequences decoded at once (more wait);
     max_kv_bytes: most bytes the running rows' KV slots may take (None: no bound); a request
     that would take them past it waits for rows to finish, unless it would run alone;
-    packed_linears: on CPU, compute the linear layers through oneDNN with prepacked weights
-    (``packed_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of the weights).
+    onednn_linears: on CPU, compute the linear layers through oneDNN with prepacked weights
+    (``treegrpo_ray.onednn_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of
+    the weights).
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
     requests as they become known (the rollout worker submits an episode's next turn when its
@@ -166,7 +167,7 @@ class HFEngine:
         cache_bytes: int = 0,
         max_num_seqs: int = 64,
         max_kv_bytes: int | None = None,
-        packed_linears: bool = True,
+        onednn_linears: bool = True,
     ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
@@ -178,7 +179,7 @@ class HFEngine:
         self.peak_kv_bytes = 0  # the most the KV slots held
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
-        self.packs_linears = packed_linears and onednn_available(self.device)
+        self.packs_linears = onednn_linears and onednn_available(self.device)
         self.linears = self._pack()
         config = model.config
         head_dim = getattr(config, "head_dim", None) or (
@@ -230,9 +231,9 @@ class HFEngine:
             self.model.unmerge_adapter()
             self.model = self.model.unload()
 
-    def _pack(self) -> PackedLinears | None:
+    def _pack(self) -> OneDNNLinears | None:
         """The model's linear weights as they are now, packed (None: the model's own path)."""
-        return PackedLinears(self.model) if self.packs_linears else None
+        return OneDNNLinears(self.model) if self.packs_linears else None
 
     def cache_stats(self) -> dict[str, float]:
         """Prefill / cache counters since start (see ``CacheStats``)."""
