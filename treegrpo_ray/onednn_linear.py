@@ -74,7 +74,7 @@ class OneDNNLinears:
     def active(self) -> Iterator[None]:
         """Within the block, each packed layer computes through its packed copy."""
         for layer, forward in self.forwards.items():
-            layer.forward = forward
+            layer.forward = forward  # type: ignore[method-assign]  # an instance override
         try:
             yield
         finally:
