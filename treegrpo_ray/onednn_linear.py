@@ -9,6 +9,12 @@ bandwidth). Inductor's CPU weight freezing does the same through a compile; this
 eager model, for the embedded engine (inference) and for the learner's frozen layers (a LoRA
 policy's base weights, whose input gradient goes through a packed transpose).
 
+A oneDNN call costs ~0.1 ms beyond its arithmetic here, which at decode batches of a few rows
+is as much as streaming a 576 x 1536 weight; so for inference the layers that read the same
+input (an attention layer's q, k and v projections, an MLP's gate and up projections: Llama and
+Qwen2 call them one after another on the same tensor) are packed as one matrix, computed once
+by the first call and handed out in slices (``_Fused``): 4 calls a decoder layer instead of 7.
+
 The packed weights are copies (the model keeps its own, for state dicts and adapters): one per
 layer for inference, two with gradients. Pack again after the weights change.
 """
@@ -22,6 +28,8 @@ from typing import Any
 import torch
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Sibling projections that read their parent's same input tensor (Llama / Qwen2 names).
+FUSED_ROLES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def onednn_available(device: torch.device) -> bool:
@@ -60,15 +68,39 @@ class OneDNNLinears:
 
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16, gradients: bool = False):
         self.forwards: dict[torch.nn.Linear, Any] = {}
-        for layer in model.modules():
-            if type(layer) is not torch.nn.Linear or layer.weight.dtype not in PACKABLE_DTYPES:
-                continue
+        self.fused: list[_Fused] = []
+        layers = {
+            name: layer
+            for name, layer in model.named_modules()
+            if type(layer) is torch.nn.Linear and layer.weight.dtype in PACKABLE_DTYPES
+        }
+        if not gradients:
+            self._fuse(layers, batch_hint)
+        for layer in layers.values():
             bias = None if layer.bias is None else layer.bias.detach()
+            if layer in self.forwards:
+                continue
             if not gradients:
                 self.forwards[layer] = _Inference(_pack(layer.weight, batch_hint), bias)
             elif _frozen(layer):
                 transposed = _pack(layer.weight.t(), batch_hint)
                 self.forwards[layer] = _Frozen(_pack(layer.weight, batch_hint), transposed, bias)
+
+    def _fuse(self, layers: dict[str, torch.nn.Linear], batch_hint: int) -> None:
+        """Pack each group of ``FUSED_ROLES`` siblings as one matrix (``_Fused``)."""
+        by_role: dict[tuple[str, str], torch.nn.Linear] = {}
+        for name, layer in layers.items():
+            parent, _, role = name.removesuffix(".base_layer").rpartition(".")
+            by_role[parent, role] = layer
+        for parent, role in list(by_role):
+            for roles in FUSED_ROLES:
+                members = [by_role[parent, r] for r in roles if (parent, r) in by_role]
+                if role != roles[0] or len(members) < len(roles):
+                    continue
+                group = _Fused(members, batch_hint)
+                self.fused.append(group)
+                for i, member in enumerate(members):
+                    self.forwards[member] = group.member(i)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -80,6 +112,8 @@ class OneDNNLinears:
         finally:
             for layer in self.forwards:
                 del layer.forward  # back to the class's own forward
+            for group in self.fused:
+                group.forget()
 
 
 class _Inference:
@@ -90,6 +124,47 @@ class _Inference:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.packed, self.bias)
+
+
+class _Fused:
+    """Sibling layers that read the same input, packed as one matrix: a member's call on the
+    input the group last computed returns its slice of that output (``(..., out_i)``, a view);
+    on any other input the group computes the whole output first. The last member's call drops
+    the output, so nothing is held between one parent's calls and the next's."""
+
+    def __init__(self, layers: list[torch.nn.Linear], batch_hint: int):
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        self.packed = _pack(weight, batch_hint)
+        self.bias = None
+        if any(layer.bias is not None for layer in layers):
+            self.bias = torch.cat(
+                [
+                    layer.bias.detach()
+                    if layer.bias is not None
+                    else weight.new_zeros(len(layer.weight))
+                    for layer in layers
+                ]
+            )
+        ends = torch.tensor([len(layer.weight) for layer in layers]).cumsum(0).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def member(self, index: int) -> Any:
+        """The forward of the group's ``index``-th layer."""
+        return lambda x: self._slice(x, index)
+
+    def _slice(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._input or self._output is None:
+            self._input, self._output = x, _linear(x, self.packed, self.bias)
+        start, stop = self.bounds[index]
+        out = self._output[..., start:stop]
+        if index == len(self.bounds) - 1:
+            self.forget()
+        return out
+
+    def forget(self) -> None:
+        self._input = self._output = None
 
 
 class _Frozen:
