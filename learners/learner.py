@@ -7,7 +7,6 @@ through the controller.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -253,8 +252,7 @@ class Learner:
         """``packed_logprobs`` of ``row`` under the learner's precision: with bfloat16-mixed the
         forward runs under bfloat16 autocast (tree mask in bfloat16), the log-probs in float32."""
         if not self.mixed_precision:
-            linears = self.onednn.active() if self.onednn else contextlib.nullcontext()
-            with linears:
+            with OneDNNLinears.active_if(self.onednn):
                 return packed_logprobs(model, batch, row, self.temperature)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             return packed_logprobs(model, batch, row, self.temperature, torch.bfloat16)

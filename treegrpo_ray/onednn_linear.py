@@ -77,9 +77,9 @@ class OneDNNLinears:
         if not gradients:
             self._fuse(layers, batch_hint)
         for layer in layers.values():
-            bias = None if layer.bias is None else layer.bias.detach()
-            if layer in self.forwards:
+            if layer in self.forwards:  # a fused group's member
                 continue
+            bias = None if layer.bias is None else layer.bias.detach()
             if not gradients:
                 self.forwards[layer] = _Inference(_pack(layer.weight, batch_hint), bias)
             elif _frozen(layer):
@@ -92,15 +92,20 @@ class OneDNNLinears:
         for name, layer in layers.items():
             parent, _, role = name.removesuffix(".base_layer").rpartition(".")
             by_role[parent, role] = layer
-        for parent, role in list(by_role):
+        for parent in {parent for parent, _ in by_role}:
             for roles in FUSED_ROLES:
                 members = [by_role[parent, r] for r in roles if (parent, r) in by_role]
-                if role != roles[0] or len(members) < len(roles):
+                if len(members) < len(roles):
                     continue
                 group = _Fused(members, batch_hint)
                 self.fused.append(group)
                 for i, member in enumerate(members):
                     self.forwards[member] = group.member(i)
+
+    @staticmethod
+    def active_if(linears: OneDNNLinears | None) -> contextlib.AbstractContextManager[None]:
+        """``linears.active()``, or nothing to do where a model keeps torch's path (None)."""
+        return linears.active() if linears is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

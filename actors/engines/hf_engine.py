@@ -12,7 +12,6 @@ its batch, nor on when it joined.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -381,7 +380,7 @@ class HFEngine:
         """Logits of each row's last position: (B, V) as float32 on the CPU. ``kind``, ``tokens``
         (real tokens fed) and ``context`` (KV tokens attended over) go to ``trace``."""
         start = time.perf_counter()
-        linears = self.linears.active() if self.linears else contextlib.nullcontext()
+        linears = OneDNNLinears.active_if(self.linears)
         with attending_through_slots(self.model.config), linears:
             out = self.model(
                 input_ids=input_ids.to(self.device),
