@@ -19,7 +19,7 @@ from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.retriever import Retriever
 from treegrpo_ray.actors.schedule import Lease, LeaseReceipt
 from treegrpo_ray.budget import Budget
-from treegrpo_ray.config import EngineConfig, SamplingConfig, TaskConfig, TreeConfig
+from treegrpo_ray.config import EngineConfig, JobConfig, SamplingConfig, TaskConfig, TreeConfig
 from treegrpo_ray.engine import (
     Engine,
     GenerationRequest,
@@ -31,6 +31,7 @@ from treegrpo_ray.engine import (
 from treegrpo_ray.envs.base import AgentEnv, Sample, StepResult
 from treegrpo_ray.envs.multihop import MultihopEnv, MultihopTask
 from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv
+from treegrpo_ray.metrics import peak_rss_bytes
 from treegrpo_ray.modeling import PromptFormat, encode_prompt, load_policy, load_tokenizer
 from treegrpo_ray.planner import Expansion, TreePlanner
 from treegrpo_ray.stops import StopStrings
@@ -50,9 +51,12 @@ def make_env(task: TaskConfig, search: SearchFn | None = None) -> AgentEnv:
     return MultihopEnv(MultihopTask(task.multihop))
 
 
-def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = False) -> Engine:
+def make_engine(
+    model_path: str, engine: EngineConfig, seed: int, lora: bool = False, workers_on_node: int = 1
+) -> Engine:
     """The rollout engine named by the config, loaded from the policy directory; ``lora``: the
-    learner sends LoRA adapters (vLLM must know at start-up)."""
+    learner sends LoRA adapters (vLLM must know at start-up); ``workers_on_node``: rollout
+    workers that share this node's default KV budget (``EngineConfig.kv_budget``)."""
     if engine.kind == "vllm":
         from treegrpo_ray.actors.engines.vllm_engine import VLLMEngine
 
@@ -67,7 +71,7 @@ def make_engine(model_path: str, engine: EngineConfig, seed: int, lora: bool = F
         seed=seed,
         cache_bytes=cache_bytes,
         max_num_seqs=engine.max_num_seqs,
-        max_kv_bytes=engine.kv_budget(),
+        max_kv_bytes=engine.kv_budget(workers_on_node),
         onednn_linears=engine.onednn_linears,
     )
 
@@ -87,7 +91,8 @@ class _Branch:
 
 
 class RolloutWorker:
-    """Expands agent-step trees for leased prompt groups with one engine."""
+    """Expands agent-step trees for leased prompt groups with one engine (``workers_on_node``:
+    rollout workers sharing this node's default KV budget, see ``make_engine``)."""
 
     def __init__(
         self,
@@ -101,9 +106,10 @@ class RolloutWorker:
         search: SearchFn | None = None,
         lora: bool = False,
         prompt_format: PromptFormat | None = None,
+        workers_on_node: int = 1,
     ):
         torch.set_num_threads(torch_threads)
-        self.engine = make_engine(model_path, engine or EngineConfig(), seed, lora)
+        self.engine = make_engine(model_path, engine or EngineConfig(), seed, lora, workers_on_node)
         self.tokenizer = load_tokenizer(model_path)
         self.env = make_env(task, search)
         self.shape = tree.shape()
@@ -111,6 +117,32 @@ class RolloutWorker:
         self.sampling = sampling
         self.stops = StopStrings(self.env.stop_sequences, self.tokenizer.decode)
         self.prompt_format = prompt_format or PromptFormat()
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: JobConfig,
+        model_path: str,
+        tree: TreeConfig | None = None,
+        seed_offset: int = 0,
+        search: SearchFn | None = None,
+        workers_on_node: int = 1,
+    ) -> RolloutWorker:
+        """A worker with the job's task, tree (or ``tree``), sampling, engine and threads, seeded
+        ``train.seed + seed_offset``."""
+        return cls(
+            model_path,
+            cfg.task,
+            tree or cfg.tree,
+            cfg.sampling,
+            cfg.engine,
+            seed=cfg.train.seed + seed_offset,
+            torch_threads=cfg.cluster.torch_threads,
+            search=search,
+            lora=cfg.engine.adapter_updates(cfg.model.lora.enabled),
+            prompt_format=cfg.model.prompt_format(),
+            workers_on_node=workers_on_node,
+        )
 
     def policy_version(self) -> int:
         return self.engine.version
@@ -153,7 +185,7 @@ class RolloutWorker:
         table = self.expand(lease)
         info = batch_info(table)
         groups = tuple(group_id for group_id, _ in lease.groups)
-        receipt = LeaseReceipt(info, groups, self.cache_stats())
+        receipt = LeaseReceipt(info, groups, self.cache_stats(), peak_rss_bytes())
         return receipt, table
 
     def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:

@@ -165,18 +165,9 @@ def learner_rates(updates: list[dict], sizes: dict, limits: dict, lora: bool) ->
 def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
     torch.set_num_threads(threads)
     limits = machine_limits()
-    cfg = load_config(preset, overrides)
+    cfg = load_config(preset, [*overrides, f"cluster.torch_threads={threads}"])
     path = resolve_model_path(cfg, progress=False)
-    worker = RolloutWorker(
-        path,
-        cfg.task,
-        cfg.tree,
-        cfg.sampling,
-        cfg.engine,
-        seed=cfg.train.seed,
-        torch_threads=threads,
-        prompt_format=cfg.model.prompt_format(),
-    )
+    worker = RolloutWorker.from_config(cfg, path)
     learner = Learner.from_config(cfg, path)
     engine = worker.engine
     assert isinstance(engine, HFEngine), "this benchmark reads the embedded engine's trace"

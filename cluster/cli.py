@@ -23,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("train", "run a Tree-GRPO training job (a local Ray instance unless cluster.address)"),
         ("warmstart", "build and warm-start the tiny model of a preset (cached)"),
+        ("plan", "the CPU memory each process of a job will hold, and whether it fits this node"),
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument(
@@ -106,25 +107,23 @@ def _run(args: argparse.Namespace) -> int:
         raise UserInputError("train needs a CONFIG (a preset name or a YAML path) or --resume")
     else:
         cfg = load_config(args.config, args.overrides)
+    if args.command == "plan":
+        from treegrpo_ray.cluster.plan import print_plan
+
+        return print_plan(cfg)
     if args.command == "warmstart":
         from treegrpo_ray.cluster.train import resolve_model_path
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0
-    from treegrpo_ray.cluster.train import checkpoint_step, train
+    from treegrpo_ray.cluster.train import kept, train
 
     try:
         summary = train(
             cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
         )
     except KeyboardInterrupt:  # its Ray workers are shut down; say what was kept
-        step = checkpoint_step(cfg)
-        kept = (
-            f"`treegrpo train --resume {cfg.run_dir}` continues from update {step}"
-            if step is not None
-            else f"{cfg.run_dir} holds no checkpoint yet (train.checkpoint_every)"
-        )
-        print(f"treegrpo: interrupted; {kept}", file=sys.stderr)
+        print(f"treegrpo: interrupted; {kept(cfg)}", file=sys.stderr)
         return INTERRUPTED
     print(summary["line"])
     return 0

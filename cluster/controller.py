@@ -24,13 +24,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.queue import Full
 
 from treegrpo_ray.actors.schedule import LeaseReceipt, eval_seed, load_task
 from treegrpo_ray.actors.tree_queue import TreeQueue
 from treegrpo_ray.cluster.evaluation import Evaluator, Measurement, Snapshot
 from treegrpo_ray.cluster.leasing import LeaseScheduler
+from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
@@ -149,10 +150,10 @@ class Controller:
     def _collect(self, receipts: list[ray.ObjectRef]) -> None:
         """Enqueue the batches of finished leases; put back the leases of dead workers."""
         for ref in receipts:
-            receipt: LeaseReceipt | RayActorError
+            receipt: LeaseReceipt | RayActorError | OutOfMemoryError
             try:
                 receipt = ray.get(ref)
-            except RayActorError as err:
+            except (RayActorError, OutOfMemoryError) as err:  # the worker died (OOM: Ray killed it)
                 receipt = err
             with self.lock:
                 item = self.leases.settle(ref, receipt)
@@ -264,8 +265,11 @@ class Controller:
             "rollout/idle_frac": max(0.0, 1.0 - self.leases.take_busy_seconds() / capacity),
             "rollout/workers": float(len(self.pool.active())),
             "rollout/worker_failures": float(self.pool.failures),
+            "rollout/memory_kills": float(self.pool.memory_kills),
+            "rollout/peak_rss_bytes": float(self.leases.peak_rss_bytes),
             "rollout/cache_bytes": sum(c["bytes"] for c in caches),
             "rollout/cache_evictions": sum(c["evictions"] for c in caches),
+            "rollout/memory_throttles": sum(c.get("memory_throttles", 0.0) for c in caches),
         }
         self.interval_start = now
         return metrics
@@ -409,8 +413,9 @@ class Controller:
             return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
 
     def abort(self, reason: str) -> None:
-        """The learner stopped the run (``reason`` says why and what it saved)."""
-        self.failure = reason
+        """The learner stopped the run (``reason`` says why and what it saved; a report of Ray's
+        memory monitor in it is cut to one line)."""
+        self.failure = short_failure(reason)
         self.stop()
 
     def failure_reason(self) -> str | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError
 
 from treegrpo_ray.cluster.rollout_pool import RolloutPool
 from treegrpo_ray.envs.base import Sample
@@ -86,7 +86,7 @@ class Evaluator:
             for ref, shard in sent.items():
                 try:
                     results[shard] = ray.get(ref)
-                except RayActorError:
+                except (RayActorError, OutOfMemoryError):
                     todo.append(shard)
             if not todo:
                 return statistics.fmean(x for shard in results.values() for x in shard)

@@ -21,7 +21,7 @@ import collections
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import OutOfMemoryError, RayActorError
 
 from treegrpo_ray.actors.schedule import Lease, LeaseReceipt, step_leases, training_order
 from treegrpo_ray.cluster.rollout_pool import RolloutPool
@@ -51,6 +51,7 @@ class LeaseScheduler:
         self.in_flight: dict[ray.ObjectRef, InFlight] = {}
         self.busy_s = 0.0  # rollout seconds of the leases settled since ``take_busy_seconds``
         self.worker_cache: dict[int, dict[str, float]] = {}  # each worker's last cache counters
+        self.peak_rss_bytes = 0  # the most memory a rollout worker process held
 
     def plan(self, version: int) -> None:
         """Queue the leases of every step the staleness bound allows at policy ``version``."""
@@ -99,19 +100,22 @@ class LeaseScheduler:
         else:
             self.pool.sync(worker_id, version, weights)
 
-    def settle(self, ref: ray.ObjectRef, receipt: LeaseReceipt | RayActorError) -> InFlight | None:
+    def settle(
+        self, ref: ray.ObjectRef, receipt: LeaseReceipt | RayActorError | OutOfMemoryError
+    ) -> InFlight | None:
         """Book a finished lease: its ``InFlight`` when the batch is good to enqueue; None when
-        its worker died (the lease goes back to the front of the backlog) or a rewind dropped
-        it."""
+        its worker died or Ray's memory monitor killed it (the lease goes back to the front of
+        the backlog) or a rewind dropped it."""
         item = self.in_flight.pop(ref, None)
         if item is None:
             return None
-        if isinstance(receipt, RayActorError):
+        if isinstance(receipt, (RayActorError, OutOfMemoryError)):
             self.backlog.appendleft(item.lease)
             self.pool.lost_lease(item.worker_id, receipt)
             return None
         self.busy_s += receipt.info.rollout_seconds
         self.worker_cache[item.worker_id] = receipt.cache
+        self.peak_rss_bytes = max(self.peak_rss_bytes, receipt.peak_rss_bytes)
         return item
 
     def holds_lease(self, worker_id: int) -> bool:

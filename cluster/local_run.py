@@ -36,17 +36,7 @@ class LocalRun:
         task = load_task(cfg.task)
         self.train_samples, self.heldout = task.train_samples(), task.heldout_samples()
         self.order = training_order(len(self.train_samples), cfg.train.seed)
-        self.worker = RolloutWorker(
-            model_path,
-            cfg.task,
-            cfg.tree,
-            cfg.sampling,
-            cfg.engine,
-            seed=cfg.train.seed,
-            torch_threads=cfg.cluster.torch_threads,
-            lora=cfg.engine.adapter_updates(cfg.model.lora.enabled),
-            prompt_format=cfg.model.prompt_format(),
-        )
+        self.worker = RolloutWorker.from_config(cfg, model_path)
         self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0
 

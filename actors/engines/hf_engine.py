@@ -12,9 +12,10 @@ its batch, nor on when it joined.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,10 @@ from transformers import PreTrainedModel
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import SlotKV, attending_through_slots
 from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload
+from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
+
+logger = logging.getLogger(__name__)
 
 
 def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -149,7 +153,9 @@ class HFEngine:
     that would take them past it waits for rows to finish, unless it would run alone;
     onednn_linears: on CPU, compute the linear layers through oneDNN with prepacked weights
     (``treegrpo_ray.onednn_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of
-    the weights).
+    the weights); memory_pressed: says when the node nears the memory at which Ray kills
+    workers (None: never asked): then no request joins while rows run, one at a time when none
+    does, and the KV slots shrink to the running rows (``memory_throttles`` counts those steps).
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
     requests as they become known (the rollout worker submits an episode's next turn when its
@@ -167,6 +173,7 @@ class HFEngine:
         max_num_seqs: int = 64,
         max_kv_bytes: int | None = None,
         onednn_linears: bool = True,
+        memory_pressed: Callable[[], bool] | None = near_kill_threshold,
     ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
@@ -176,6 +183,8 @@ class HFEngine:
         self.max_num_seqs = max_num_seqs
         self.max_kv_bytes = max_kv_bytes
         self.peak_kv_bytes = 0  # the most the KV slots held
+        self.memory_pressed = memory_pressed
+        self.memory_throttles = 0  # admissions held back because the node was near its limit
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
         self.packs_linears = onednn_linears and onednn_available(self.device)
@@ -235,8 +244,8 @@ class HFEngine:
         return OneDNNLinears(self.model) if self.packs_linears else None
 
     def cache_stats(self) -> dict[str, float]:
-        """Prefill / cache counters since start (see ``CacheStats``)."""
-        return self.cache.stats.to_dict()
+        """Prefill / cache counters since start (see ``CacheStats``), and ``memory_throttles``."""
+        return {**self.cache.stats.to_dict(), "memory_throttles": self.memory_throttles}
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Continue every request's prefix; results come back in request order."""
@@ -274,7 +283,8 @@ class HFEngine:
         their first tokens; a prefix with no room left finishes at once ("context")."""
         joining: list[_Row] = []
         refused = []
-        while self.waiting and len(self.running) + len(joining) < self.max_num_seqs:
+        limit = self._throttled_limit() if self.waiting else self.max_num_seqs
+        while self.waiting and len(self.running) + len(joining) < limit:
             row = self.waiting[0]
             if len(row.request.prefix_ids) >= self.max_positions:
                 row.finish_reason = "context"
@@ -291,23 +301,47 @@ class HFEngine:
             self._record(joining, logits)
         return refused
 
+    def _throttled_limit(self) -> int:
+        """Rows the batch may hold now: ``max_num_seqs``; or, with the node near Ray's kill
+        threshold, the rows already running (one if none), their slots shrunk to them."""
+        if self.memory_pressed is None or not self.memory_pressed():
+            return self.max_num_seqs
+        if self.memory_throttles == 0:
+            logger.warning(
+                "node memory near Ray's kill threshold: the engine admits no new rows until it "
+                "falls (lower engine.max_kv_bytes, engine.cache_bytes or train.prompts_per_step)"
+            )
+        self.memory_throttles += 1
+        self.kv.shrink(len(self.running))
+        return max(1, len(self.running))
+
     def _capacity(self, rows: list[_Row]) -> int:
         """KV columns the rows' requests can need: prefix + new tokens, plus the scratch."""
         longest = max(len(r.request.prefix_ids) + r.request.params.max_new_tokens for r in rows)
         return min(longest, self.max_positions) + 1
 
     def _fits(self, running: int, joining: list[_Row]) -> bool:
-        """Whether the slots, grown for ``joining`` beside ``running`` rows, stay within
-        ``max_kv_bytes`` (always true for the first row: a request runs, alone if need be)."""
+        """Whether slots for ``joining`` beside ``running`` rows (no more: unused ones are freed
+        first, ``_prefill``) stay within ``max_kv_bytes`` (always true for the first row: a
+        request runs, alone if need be)."""
         if self.max_kv_bytes is None or running + len(joining) == 1:
             return True
-        slots, capacity = self.kv.grown(running + len(joining), self._capacity(joining))
-        return self.kv.bytes_for(slots, capacity) <= self.max_kv_bytes
+        return self._slot_bytes(running + len(joining), joining) <= self.max_kv_bytes
+
+    def _slot_bytes(self, slots: int, joining: list[_Row]) -> int:
+        """Bytes of ``slots`` slots at the capacity ``joining`` grows them to."""
+        _, capacity = self.kv.grown(slots, self._capacity(joining))
+        return self.kv.bytes_for(slots, capacity)
 
     def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
         """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
         least the last token) through the model; returns the logits (k, V) of the last tokens."""
-        self.kv.reserve(first + len(rows), self._capacity(rows))
+        slots = first + len(rows)
+        if self.max_kv_bytes is not None and self.kv.bytes_for(
+            *self.kv.grown(slots, self._capacity(rows))
+        ) > max(self.max_kv_bytes, self._slot_bytes(slots, rows)):
+            self.kv.shrink(first)  # the slots beyond the running rows would pass the bound
+        self.kv.reserve(slots, self._capacity(rows))
         new_ids = []
         for slot, row in enumerate(rows, start=first):
             prefix = row.request.prefix_ids

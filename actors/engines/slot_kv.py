@@ -145,6 +145,15 @@ class SlotKV:
                     new[:old_slots, :, :kept] = old[:, :, :kept]
                 buffers[i] = new
 
+    def shrink(self, slots: int) -> None:
+        """Keep the first ``slots`` slots only (their KV kept), freeing the others' memory."""
+        if slots >= self.slots:
+            return
+        self.shape = (slots, *self.shape[1:])
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                buffers[i] = old[:slots].clone()
+
     def begin(
         self, first: int, starts: torch.Tensor, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

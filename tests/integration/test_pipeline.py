@@ -22,6 +22,7 @@ from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import FIT_THREAD, resolve_model_path, resume_step, train
 from treegrpo_ray.config import resume_config
+from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.saved_trees import read_saved_trees
 
 pytestmark = pytest.mark.integration
@@ -61,12 +62,17 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(
         json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in records] == [1, 2]
+    # a process holding the policy holds at least its weights (the kernel's VmHWM)
+    weights = 4 * sum(p.numel() for p in load_policy(resolve_model_path(cfg))[0].parameters())
     for record in records:
         assert record["learner/policy_version"] == record["step"]
         assert record["tree/groups"] == 4
         assert record["tree/leaves"] == 4 * cfg.tree.shape().leaves_per_prompt
         assert "eval/greedy_em" in record and "budget/generated_tokens" in record
         assert 0.0 <= record["rollout/cache_hit_rate"] < 1.0
+        assert record["rollout/peak_rss_bytes"] > weights
+        assert record["learner/peak_rss_bytes"] > weights
+        assert record["rollout/memory_kills"] == 0
     for key in ("before/eval/sampled_em", "after/eval/sampled_em", "after/eval/greedy_em"):
         assert 0.0 <= summary[key] <= 1.0
     assert "held-out EM" in summary["line"]
@@ -93,6 +99,8 @@ UNREPEATABLE = (
     "queue/",
     "learner/idle_frac",
     "rollout/idle_frac",
+    "rollout/peak_rss_bytes",
+    "learner/peak_rss_bytes",
     "rollout/seconds",
     "rollout/planner_seconds",
     "rollout/entropy_mean",

@@ -73,15 +73,7 @@ def expanded(smollm2_cfg, policy):
     """Trees of (M, N, L) = (2, 1, 1) for 3 train questions, expanded in-process; with the
     worker's tokenizer and the questions."""
     cfg = smollm2_cfg
-    worker = RolloutWorker(
-        policy,
-        cfg.task,
-        TreeConfig(m=2, n=1, l=1),
-        cfg.sampling,
-        cfg.engine,
-        torch_threads=2,
-        prompt_format=cfg.model.prompt_format(),
-    )
+    worker = RolloutWorker.from_config(cfg, policy, tree=TreeConfig(m=2, n=1, l=1))
     samples = SearchQATask(cfg.task.search_qa).train_samples()[:3]
     table = worker.expand(Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=1))
     return trees_from_arrow(table), worker.tokenizer, samples

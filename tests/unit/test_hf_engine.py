@@ -97,3 +97,31 @@ def test_a_kv_byte_budget_bounds_the_batch_and_changes_no_token():
     assert 1 < most < len(requests)
     assert 0 < bounded.peak_kv_bytes <= budget
     assert [results[i].token_ids for i in range(len(requests))] == [r.token_ids for r in free]
+
+
+def test_near_the_memory_limit_no_row_joins_a_running_batch_and_no_token_changes():
+    """While the node is near Ray's kill threshold (a test double: this machine is not), rows
+    already running finish but none joins them, the KV slots shrink to the running rows, each
+    request still gets its own tokens, and once the pressure is gone rows join again."""
+    model = build_tiny_model(TinyModelConfig(num_layers=2), vocab_size=VOCAB, seed=3).eval()
+    requests = _requests()
+    free = HFEngine(model, pad_token_id=0).generate(requests)
+    pressed = {"now": False}
+    engine = HFEngine(model, pad_token_id=0, memory_pressed=lambda: pressed["now"])
+    for i, request in enumerate(requests[:4]):
+        engine.submit(request, tag=i)
+    results = dict(engine.step())
+    assert len(engine.running) == 4 - len(results) > 1
+    pressed["now"] = True
+    for i, request in enumerate(requests[4:], start=4):
+        engine.submit(request, tag=i)
+    while engine.pending() and len(results) < 5:
+        before = len(engine.running)
+        results.update(engine.step())
+        assert len(engine.running) <= max(1, before)  # one joins only an empty batch
+        assert engine.kv.slots <= max(1, before)  # the slots shrank to the running rows
+    assert engine.memory_throttles > 0
+    assert engine.cache_stats()["memory_throttles"] == engine.memory_throttles
+    pressed["now"] = False
+    results.update(_run(engine, [])[0])
+    assert [results[i].token_ids for i in range(len(requests))] == [r.token_ids for r in free]

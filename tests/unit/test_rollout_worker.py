@@ -135,25 +135,30 @@ def _leaf_paths(trees):
 
 def test_trees_do_not_depend_on_the_scheduling(tiny_cfg, tiny_policy):
     """Continuous batching (each branch's next turn submitted when its observation is back), one
-    sequence at a time, and lock-step waves give the same trees: every request has its own seed,
-    derived from its branch's, and a row's tokens do not depend on its batch neighbours."""
+    sequence at a time, a KV byte bound that holds about two rows, and lock-step waves give the same
+    trees: every request has its own seed, derived from its branch's, and a row's tokens do not
+    depend on its batch neighbours; the bounded engine never holds more KV than its bound."""
     samples = MultihopTask(tiny_cfg.task.multihop).train_samples()[:6]
     lease = Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=7)
     shape = TreeConfig(m=2, n=2, l=1)
-    results = {}
-    for name, max_num_seqs, waves in (
-        ("continuous", 64, False),
-        ("one", 1, False),
-        ("waves", 64, True),
+    kv_bound = 2**18  # about two rows' slots of the tiny policy (1 KiB a token): one took 147 KB
+    results, peaks = {}, {}
+    for name, bounds, waves in (
+        ("continuous", {}, False),
+        ("one", {"max_num_seqs": 1}, False),
+        ("kv-bound", {"max_kv_bytes": kv_bound}, False),
+        ("waves", {}, True),
     ):
-        engine = tiny_cfg.engine.model_copy(update={"max_num_seqs": max_num_seqs})
+        engine = tiny_cfg.engine.model_copy(update=bounds)
         worker = RolloutWorker(tiny_policy, tiny_cfg.task, shape, tiny_cfg.sampling, engine)
         if waves:
             worker.engine = GenerateOnly(worker.engine)
         results[name] = _leaf_paths(trees_from_arrow(worker.expand(lease)))
+        peaks[name] = getattr(worker.engine, "peak_kv_bytes", 0)
+    assert 0 < peaks["kv-bound"] <= kv_bound < peaks["continuous"]
     continuous = results["continuous"]
     assert sum(len(paths) for _, paths in continuous) == 6 * 2 * 3
-    for name in ("one", "waves"):
+    for name in ("one", "kv-bound", "waves"):
         other = results[name]
         assert [(t, [p[:2] for p in paths]) for t, paths in other] == [
             (t, [p[:2] for p in paths]) for t, paths in continuous

@@ -1,0 +1,78 @@
+"""The CPU memory plan (treegrpo_ray/memory_plan.py, cluster/plan.py): sizes hand-computed for
+the tiny Qwen2, the engine's and learner's terms, the refusal and ``treegrpo plan``."""
+
+from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.config import JobConfig, LoraSettings
+from treegrpo_ray.learners.learner import with_lora_adapter
+from treegrpo_ray.memory_plan import GB, ModelSizes, NodePlan, local_node_plan
+from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+
+LORA = LoraSettings(enabled=True, rank=2)
+
+
+def _tiny():
+    return build_tiny_model(TinyModelConfig(), vocab_size=100, seed=0)
+
+
+def test_sizes_of_the_tiny_qwen2_by_hand():
+    """hidden 128, 2 layers, 4 heads of 32 (2 for keys and values), MLP 512, vocab 100."""
+    sizes = ModelSizes.of(_tiny().config, LORA)
+    per_layer = 128 * 128 * 2 + 128 * 64 * 2 + 128 * 512 * 3  # q, o; k, v; gate, up, down
+    assert sizes.linear_params == 2 * per_layer + 100 * 128  # the tied LM head counted
+    biases_norms = 128 + 64 + 64 + 2 * 128  # q/k/v biases, two norms
+    assert sizes.params == 100 * 128 + 2 * (per_layer + biases_norms) + 128
+    assert sizes.kv_token_bytes == 2 * 2 * 2 * 32 * 4
+    adapter = 2 * (256 + 192 + 192 + 256 + 640 + 640 + 640)  # rank x (in + out), per layer
+    assert sizes.lora_params == 2 * adapter
+
+
+def test_the_adapter_size_is_what_peft_trains():
+    model = with_lora_adapter(_tiny(), LORA)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelSizes.of(model.config, LORA).lora_params == trained
+
+
+def test_engine_and_learner_terms_follow_the_settings():
+    sizes = ModelSizes.of(_tiny().config, LORA)
+    cfg = JobConfig.model_validate(
+        {
+            "model": {"lora": {"enabled": True, "rank": 2}},
+            "engine": {"max_kv_bytes": 10**6, "cache_bytes": 2 * 10**6},
+            "ppo": {"micro_batch_tokens": 256},
+            "cluster": {"rollout_workers": 2, "torch_threads": 1},
+            "train": {"prompts_per_step": 4},
+        }
+    )
+    plan = local_node_plan(cfg, sizes, node_bytes=64 * GB)
+    rollout, learner = plan.processes
+    assert rollout.count == 2 and learner.count == 1
+    terms = {t.setting: t.nbytes for t in rollout.terms if t.setting}
+    assert terms["engine.max_kv_bytes"] == 10**6  # under max_num_seqs x 512 positions x 1 KiB
+    assert terms["engine.cache_bytes"] == 2 * 10**6
+    assert terms["engine.onednn_linears"] == 4 * sizes.linear_params
+    learned = {t.setting: t.nbytes for t in learner.terms if t.setting}
+    assert learned["model.lora"] == 16 * sizes.lora_params
+    assert learned["ppo.onednn_linears"] == 2 * 4 * sizes.linear_params
+    per_token = 2 * (8 * 128 + 4 * 512) + 3 * 100
+    assert learned["ppo.micro_batch_tokens"] == 256 * per_token * 4 + 256 * 256
+    assert plan.fits()
+
+
+def test_a_job_over_the_node_is_refused_with_the_largest_settings():
+    sizes = ModelSizes.of(_tiny().config, LORA)
+    cfg = JobConfig.model_validate({"engine": {"max_kv_bytes": 20 * GB, "max_num_seqs": 10**6}})
+    plan = local_node_plan(cfg, sizes, node_bytes=16 * GB)
+    assert isinstance(plan, NodePlan) and not plan.fits()
+    refusal = plan.refusal()
+    assert refusal.startswith("the job needs ~")
+    assert "engine.max_kv_bytes (running rows' KV bound: 20.00 GB)" in refusal
+
+
+def test_plan_command_prints_the_table_and_says_whether_it_fits(tmp_path, capsys):
+    _tiny().config.save_pretrained(tmp_path)
+    assert main(["plan", "tiny-multihop", "--set", f"model.path={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout worker x1" in out and "learner rank x1" in out and ": fits" in out
+    too_big = ["--set", "engine.max_kv_bytes=100000000000000", "--set", "engine.max_num_seqs=99999"]
+    assert main(["plan", "tiny-multihop", "--set", f"model.path={tmp_path}", *too_big]) == 1
+    assert "does NOT fit" in capsys.readouterr().out

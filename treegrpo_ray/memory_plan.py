@@ -1,0 +1,253 @@
+"""What a job's processes hold in CPU memory, estimated before anything starts (``treegrpo plan``).
+
+Per rollout worker with the embedded engine: the process runtime, the weights, their
+oneDNN-packed copies (``engine.onednn_linears``), the prefix cache's budget
+(``engine.cache_bytes``), the running rows' KV bound (``engine.max_kv_bytes`` and
+``engine.max_num_seqs``) and the freed memory glibc keeps for reuse. Per learner rank: the
+runtime, the weights, the trained parameters with their gradients and Adam state, the reference
+copy (full fine-tuning; LoRA disables the adapter instead), the packed frozen layers, and the
+activations one packed row of ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in
+full: the plan is what a process may reach under load, not what a light step reaches.
+
+Sizes come from the model's config, the model built on the meta device (no weights are read).
+The constants were measured on this project's 2-core CPU nodes (README, "Sizing a CPU node").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treegrpo_ray import TRIM_THRESHOLD_BYTES
+from treegrpo_ray.config import JobConfig, LoraSettings
+
+GB = 10**9
+# A process with torch, transformers and ray imported, before any model: 454 MB resident.
+RUNTIME_BYTES = 450 * 10**6
+# Besides the workers: the driver, the controller, Ray Train's and Ray Data's helper actors, the
+# dashboard and runtime-env agents, raylet and GCS (proportional set sizes summed over a
+# SmolLM2 job: 2.3 GB, most of it torch loaded in each process).
+AUXILIARY_BYTES = 2_300 * 10**6
+# Activation floats one token keeps per layer for the backward (norm outputs, q/k/v, attention
+# output, residuals: hidden-wide; gate, up, their activation and product: MLP-wide), and per
+# position of the LM head (logits, log-softmax, probabilities).
+HIDDEN_WIDE, MLP_WIDE, VOCAB_WIDE = 8, 4, 3
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Parameter counts and widths of a causal LM, from its config."""
+
+    params: int
+    linear_params: int  # in nn.Linear layers, the LM head counted even when tied
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    kv_token_bytes: int  # keys and values of one token over all layers
+    param_bytes: int  # bytes per parameter (the dtype the model loads in)
+    lora_params: int  # parameters of the LoRA adapter of the job's settings
+
+    @classmethod
+    def of(cls, config: Any, lora: LoraSettings, param_bytes: int = 4) -> ModelSizes:
+        """Sizes of the model ``config`` (a transformers ``PretrainedConfig``) describes."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        adapted = [m for n, m in linears.items() if n.rsplit(".", 1)[-1] in lora.target_modules]
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            linear_params=sum(m.weight.numel() for m in linears.values()),
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            max_positions=config.max_position_embeddings,
+            kv_token_bytes=2
+            * config.num_hidden_layers
+            * config.num_key_value_heads
+            * head_dim
+            * param_bytes,
+            param_bytes=param_bytes,
+            lora_params=sum(lora.rank * (m.in_features + m.out_features) for m in adapted),
+        )
+
+
+@dataclass(frozen=True)
+class Term:
+    """One thing a process holds: what, bytes, and the setting that changes it ("" if none)."""
+
+    what: str
+    nbytes: int
+    setting: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """A kind of process, how many of it one node holds, and what each holds."""
+
+    name: str
+    count: int
+    terms: tuple[Term, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.terms)
+
+
+def kept_free_bytes() -> int:
+    """Freed memory glibc may keep in each process (``treegrpo_ray.keep_freed_memory``)."""
+    return 0 if os.environ.get("TREEGRPO_KEEP_FREED_MEMORY") == "0" else TRIM_THRESHOLD_BYTES
+
+
+def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int) -> ProcessPlan:
+    """An embedded-engine rollout worker at its budgets (vLLM's pool is not counted here)."""
+    engine = cfg.engine
+    terms = [Term("runtime (Python, torch, Ray)", RUNTIME_BYTES)]
+    terms.append(Term("weights", sizes.params * sizes.param_bytes))
+    if engine.onednn_linears:
+        packed = sizes.linear_params * sizes.param_bytes
+        terms.append(Term("oneDNN-packed linear weights", packed, "engine.onednn_linears"))
+    if engine.prefix_cache:
+        terms.append(Term("prefix cache budget", engine.cache_bytes, "engine.cache_bytes"))
+    slots = engine.max_num_seqs * sizes.max_positions * sizes.kv_token_bytes
+    kv = min(engine.kv_budget(workers_on_node), slots)
+    terms.append(Term("running rows' KV bound", kv, "engine.max_kv_bytes"))
+    terms.append(Term("freed memory kept for reuse", kept_free_bytes()))
+    return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
+
+
+def activation_bytes(sizes: ModelSizes, tokens: int) -> int:
+    """What one packed row of ``tokens`` keeps for the backward, with its dense tree mask."""
+    per_layer = HIDDEN_WIDE * sizes.hidden + MLP_WIDE * sizes.intermediate
+    per_token = sizes.layers * per_layer + VOCAB_WIDE * sizes.vocab
+    return tokens * per_token * 4 + tokens * tokens
+
+
+def learner_plan(cfg: JobConfig, sizes: ModelSizes, ranks_on_node: int) -> ProcessPlan:
+    """A CPU learner rank."""
+    lora = cfg.model.lora.enabled
+    weights = sizes.params * sizes.param_bytes
+    trained = sizes.lora_params if lora else sizes.params
+    terms = [
+        Term("runtime (Python, torch, Ray)", RUNTIME_BYTES),
+        Term("weights", weights),
+        Term("trained parameters, gradients, Adam state", 4 * trained * 4, "model.lora"),
+    ]
+    if not lora:
+        terms.append(Term("reference copy", weights, "model.lora"))
+    if cfg.ppo.onednn_linears and cfg.ppo.precision == "float32":
+        copies = 2 if lora else 1  # LoRA: each frozen layer and its transpose; else the reference
+        packed = copies * sizes.linear_params * sizes.param_bytes
+        terms.append(Term("oneDNN-packed frozen weights", packed, "ppo.onednn_linears"))
+    tokens = cfg.ppo.micro_batch_tokens
+    terms.append(
+        Term(
+            f"activations of a {tokens}-token row",
+            activation_bytes(sizes, tokens),
+            "ppo.micro_batch_tokens",
+        )
+    )
+    terms.append(Term("freed memory kept for reuse", kept_free_bytes()))
+    return ProcessPlan("learner rank", ranks_on_node, tuple(terms))
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Every process of a job on one node, against the memory at which Ray starts killing."""
+
+    processes: tuple[ProcessPlan, ...]
+    node_bytes: int
+    kill_share: float  # RAY_memory_usage_threshold
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.count * p.nbytes for p in self.processes) + AUXILIARY_BYTES
+
+    @property
+    def limit(self) -> int:
+        return int(self.node_bytes * self.kill_share)
+
+    def fits(self) -> bool:
+        return self.nbytes <= self.limit
+
+    def render(self) -> str:
+        """The plan as a table: each process kind, its terms, the node's total and verdict."""
+        lines = []
+        for process in self.processes:
+            lines.append(f"{process.name} x{process.count}: {process.nbytes / GB:6.2f} GB each")
+            for term in process.terms:
+                setting = f"  ({term.setting})" if term.setting else ""
+                lines.append(f"    {term.what:<42} {term.nbytes / GB:6.2f} GB{setting}")
+        lines.append(
+            f"driver, controller, retriever, Ray's own processes: {AUXILIARY_BYTES / GB:.2f} GB"
+        )
+        verdict = "fits" if self.fits() else "does NOT fit"
+        lines.append(
+            f"node total {self.nbytes / GB:.2f} GB of {self.limit / GB:.2f} GB "
+            f"({self.kill_share:.0%} of {self.node_bytes / GB:.1f} GB, where Ray's memory "
+            f"monitor starts killing workers): {verdict}"
+        )
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        """Why the job does not fit, with the settings that shrink it most."""
+        largest = sorted(
+            (t for p in self.processes for t in p.terms if t.setting),
+            key=lambda t: -t.nbytes,
+        )[:3]
+        hints = ", ".join(f"{t.setting} ({t.what}: {t.nbytes / GB:.2f} GB)" for t in largest)
+        return (
+            f"the job needs ~{self.nbytes / GB:.1f} GB on this node but Ray starts killing "
+            f"workers at {self.limit / GB:.1f} GB; lower {hints}, or fewer workers per node "
+            "(`treegrpo plan CONFIG` shows every term)"
+        )
+
+
+def kill_share() -> float:
+    """The node memory share above which Ray's memory monitor kills workers."""
+    return float(os.environ.get("RAY_memory_usage_threshold", "0.95"))  # noqa: SIM112 (Ray's name)
+
+
+def node_memory_used_share() -> float:
+    """The share of this node's memory in use as Ray's monitor counts it: total less available
+    (``/proc/meminfo``), or a cgroup v2 limit and its usage where one is set."""
+    info = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    total, used = info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and int(limit) < total:
+            total, used = int(limit), int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        pass
+    return used / total
+
+
+PRESSURE_MARGIN = 0.05  # the engine stops admitting rows this far below Ray's kill threshold
+
+
+def near_kill_threshold() -> bool:
+    """Whether this node's memory use is within ``PRESSURE_MARGIN`` of Ray's kill threshold."""
+    return node_memory_used_share() >= kill_share() - PRESSURE_MARGIN
+
+
+def local_node_plan(cfg: JobConfig, sizes: ModelSizes, node_bytes: int) -> NodePlan:
+    """The plan of a job on one node holding all its workers (a local run)."""
+    processes = [learner_plan(cfg, sizes, cfg.cluster.learner_workers)]
+    if cfg.engine.kind == "hf":
+        workers = cfg.cluster.rollout_workers
+        processes.insert(0, rollout_worker_plan(cfg, sizes, workers))
+    return NodePlan(tuple(processes), node_bytes, kill_share())
