@@ -8,7 +8,7 @@ measured peak: the plan's estimate for the same settings (``treegrpo_ray.memory_
 engine's own peak KV bytes.
 
     python -m benchmarks.rollout_memory --out benchmarks/results/rollout_memory
-    python -m benchmarks.rollout_memory --cases 4:2,6,1 12:2,6,1:unbounded --learner 12:2,6,1
+    python -m benchmarks.rollout_memory --cases 4:2,6,1 12:2,6,1:unbounded --learner 4:2,6,1
     python -m benchmarks.rollout_memory --preset tiny-multihop --cases 4:1,2,1 --learner 4:1,2,1
 
 A case is PROMPTS:M,N,L[:BOUND], BOUND one of ``default`` (the engine's defaults), ``unbounded``
@@ -37,7 +37,7 @@ DEFAULT_CASES = [
     "36:2,6,1:1",
     "72:2,6,1",
 ]
-DEFAULT_LEARNER = ["12:2,6,1"]
+DEFAULT_LEARNER = ["4:2,6,1"]
 UNBOUNDED = ["engine.max_num_seqs=100000", "engine.max_kv_bytes=1000000000000"]
 
 

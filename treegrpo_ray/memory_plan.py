@@ -2,12 +2,12 @@
 
 Per rollout worker with the embedded engine: the process runtime, the weights, their
 oneDNN-packed copies (``engine.onednn_linears``), the prefix cache's budget
-(``engine.cache_bytes``), the running rows' KV bound (``engine.max_kv_bytes`` and
-``engine.max_num_seqs``) and the freed memory glibc keeps for reuse. Per learner rank: the
-runtime, the weights, the trained parameters with their gradients and Adam state, the reference
-copy (full fine-tuning; LoRA disables the adapter instead), the packed frozen layers, and the
-activations one packed row of ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in
-full: the plan is what a process may reach under load, not what a light step reaches.
+(``engine.cache_bytes``) and the running rows' KV bound (``engine.max_kv_bytes`` and
+``engine.max_num_seqs``). Per learner rank: the runtime, the weights, the trained parameters with
+their gradients and Adam state, the reference copy (full fine-tuning; LoRA disables the adapter
+instead), the packed frozen layers, and the activations one packed row of
+``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in full: the plan is what a
+process may reach under load, not what a light step reaches.
 
 Sizes come from the model's config, the model built on the meta device (no weights are read).
 The constants were measured on this project's 2-core CPU nodes (README, "Sizing a CPU node").
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from treegrpo_ray import TRIM_THRESHOLD_BYTES
 from treegrpo_ray.config import JobConfig, LoraSettings
 
 GB = 10**9
@@ -104,11 +103,6 @@ class ProcessPlan:
         return sum(t.nbytes for t in self.terms)
 
 
-def kept_free_bytes() -> int:
-    """Freed memory glibc may keep in each process (``treegrpo_ray.keep_freed_memory``)."""
-    return 0 if os.environ.get("TREEGRPO_KEEP_FREED_MEMORY") == "0" else TRIM_THRESHOLD_BYTES
-
-
 def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int) -> ProcessPlan:
     """An embedded-engine rollout worker at its budgets (vLLM's pool is not counted here)."""
     engine = cfg.engine
@@ -122,7 +116,6 @@ def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int)
     slots = engine.max_num_seqs * sizes.max_positions * sizes.kv_token_bytes
     kv = min(engine.kv_budget(workers_on_node), slots)
     terms.append(Term("running rows' KV bound", kv, "engine.max_kv_bytes"))
-    terms.append(Term("freed memory kept for reuse", kept_free_bytes()))
     return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
 
 
@@ -157,7 +150,6 @@ def learner_plan(cfg: JobConfig, sizes: ModelSizes, ranks_on_node: int) -> Proce
             "ppo.micro_batch_tokens",
         )
     )
-    terms.append(Term("freed memory kept for reuse", kept_free_bytes()))
     return ProcessPlan("learner rank", ranks_on_node, tuple(terms))
 
 
