@@ -133,6 +133,28 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
     }
 
 
+def replan(results: dict) -> None:
+    """Recompute each case's plan with this checkout's ``memory_plan`` (the measured figures do
+    not depend on it)."""
+    from transformers import AutoConfig
+
+    from treegrpo_ray.cluster.plan import architecture_path
+    from treegrpo_ray.config import load_config
+    from treegrpo_ray.memory_plan import ModelSizes, learner_plan, rollout_worker_plan
+
+    for role, records in (("rollout", results["rollouts"]), ("learner", results["learners"])):
+        for record in records:
+            cfg = load_config(results["preset"], overrides(record["case"]))
+            config = AutoConfig.from_pretrained(architecture_path(cfg))
+            sizes = ModelSizes.of(config, cfg.model.lora)
+            if role == "rollout":
+                plan = rollout_worker_plan(cfg, sizes, workers_on_node=1)
+            else:
+                plan = learner_plan(cfg, sizes, ranks_on_node=1)
+            record["plan_bytes"] = plan.nbytes
+            record["plan"] = {t.what: t.nbytes for t in plan.terms}
+
+
 def _arrow_bytes(table: object) -> bytes:
     import pyarrow as pa
 
@@ -161,11 +183,17 @@ def table(rollouts: list[dict], learners: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rollouts:
+        plan, ratio, budget = "-", "-", "none"
+        if not r["case"].endswith(":unbounded"):  # no bound: nothing to plan
+            plan, ratio = (
+                f"{r['plan_bytes'] / gb:.2f}",
+                f"{r['peak_rss_bytes'] / r['plan_bytes']:.2f}",
+            )
+            budget = f"{r['kv_budget_bytes'] / gb:.2f}"
         rows.append(
-            f"| {r['case']} | {r['leaves']} | {r['peak_rss_bytes'] / gb:.2f} | "
-            f"{r['plan_bytes'] / gb:.2f} | {r['peak_rss_bytes'] / r['plan_bytes']:.2f} | "
-            f"{r['peak_kv_bytes'] / gb:.2f} | {r['kv_budget_bytes'] / gb:.2f} | "
-            f"{r['memory_throttles']:.0f} | {r['tokens_per_s']:.1f} |"
+            f"| {r['case']} | {r['leaves']} | {r['peak_rss_bytes'] / gb:.2f} | {plan} | {ratio} | "
+            f"{r['peak_kv_bytes'] / gb:.2f} | {budget} | {r['memory_throttles']:.0f} | "
+            f"{r['tokens_per_s']:.1f} |"
         )
     for r in learners:
         rows.append(
@@ -183,7 +211,17 @@ def main() -> None:
     parser.add_argument("--learner", nargs="*", default=DEFAULT_LEARNER)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_memory"))
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--replan", action="store_true", help="recompute the plans of OUT/results.json, rewrite"
+    )
     args = parser.parse_args()
+    if args.replan:
+        results = json.loads((args.out / "results.json").read_text())
+        replan(results)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+        (args.out / "table.md").write_text(table(results["rollouts"], results["learners"]) + "\n")
+        print(table(results["rollouts"], results["learners"]))
+        return
     if args.child:
         role, case, trees_path = args.child
         child = rollout_child if role == "rollout" else learner_child

@@ -369,6 +369,14 @@ class EngineConfig(_Section):
         "of the node's memory, shared by the rollout workers one node can hold. The prefix "
         "cache has its own budget (cache_bytes).",
     )
+    max_model_len: int | None = Field(
+        None,
+        gt=1,
+        description="hf: the longest sequence (prompt + generated) a row may reach; it finishes "
+        "there (finish reason context). Bounds each KV slot: the running rows' KV is at most "
+        "max_num_seqs x max_model_len tokens. Null: the model's context length. vLLM has its own "
+        "(engine.vllm.max_model_len).",
+    )
     onednn_linears: bool = Field(
         True,
         description="hf on CPU: linear layers through oneDNN with weights prepacked at each "

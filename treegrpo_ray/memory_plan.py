@@ -31,10 +31,13 @@ RUNTIME_BYTES = 450 * 10**6
 # dashboard and runtime-env agents, raylet and GCS (proportional set sizes summed over a
 # SmolLM2 job: 2.3 GB, most of it torch loaded in each process).
 AUXILIARY_BYTES = 2_300 * 10**6
-# Activation floats one token keeps per layer for the backward (norm outputs, q/k/v, attention
-# output, residuals: hidden-wide; gate, up, their activation and product: MLP-wide), and per
-# position of the LM head (logits, log-softmax, probabilities).
-HIDDEN_WIDE, MLP_WIDE, VOCAB_WIDE = 8, 4, 3
+# Floats one token keeps for the backward, per layer: hidden-wide, the two norms' inputs and
+# outputs, q, k and v, their rotated copies, the attention's output and log-sum-exp, the output
+# projection's input, the residuals (~14); MLP-wide: gate, up, the activation, the product (~5).
+# At the LM head, vocabulary-wide: logits, log-softmax, probabilities and entropy terms, and their
+# gradients (~6). Checked against the learner's peak resident memory on SmolLM2 at 1024-token rows
+# (README, "Memory: sizing a CPU node").
+HIDDEN_WIDE, MLP_WIDE, VOCAB_WIDE = 14, 5, 6
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,11 @@ def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int)
         terms.append(Term("oneDNN-packed linear weights", packed, "engine.onednn_linears"))
     if engine.prefix_cache:
         terms.append(Term("prefix cache budget", engine.cache_bytes, "engine.cache_bytes"))
-    slots = engine.max_num_seqs * sizes.max_positions * sizes.kv_token_bytes
+    positions = min(sizes.max_positions, engine.max_model_len or sizes.max_positions) + 1
+    slots = engine.max_num_seqs * positions * sizes.kv_token_bytes
     kv = min(engine.kv_budget(workers_on_node), slots)
-    terms.append(Term("running rows' KV bound", kv, "engine.max_kv_bytes"))
+    setting = "engine.max_kv_bytes" if kv < slots else "engine.max_num_seqs x max_model_len"
+    terms.append(Term("running rows' KV bound", kv, setting))
     return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
 
 

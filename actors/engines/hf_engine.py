@@ -153,7 +153,9 @@ class HFEngine:
     that would take them past it waits for rows to finish, unless it would run alone;
     onednn_linears: on CPU, compute the linear layers through oneDNN with prepacked weights
     (``treegrpo_ray.onednn_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of
-    the weights); memory_pressed: says when the node nears the memory at which Ray kills
+    the weights); max_model_len: the longest sequence (prefix + generated) a row may reach, it
+    finishes there with "context" (None: the model's ``max_position_embeddings``); it bounds
+    each KV slot; memory_pressed: says when the node nears the memory at which Ray kills
     workers (None: never asked): then no request joins while rows run, one at a time when none
     does, and the KV slots shrink to the running rows (``memory_throttles`` counts those steps).
 
@@ -174,12 +176,13 @@ class HFEngine:
         max_kv_bytes: int | None = None,
         onednn_linears: bool = True,
         memory_pressed: Callable[[], bool] | None = near_kill_threshold,
+        max_model_len: int | None = None,
     ):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.generator = torch.Generator().manual_seed(seed)
-        self.max_positions = int(model.config.max_position_embeddings)
+        self.max_positions = min(int(model.config.max_position_embeddings), max_model_len or 2**62)
         self.max_num_seqs = max_num_seqs
         self.max_kv_bytes = max_kv_bytes
         self.peak_kv_bytes = 0  # the most the KV slots held
@@ -199,6 +202,7 @@ class HFEngine:
             head_dim,
             model.dtype,
             self.device,
+            max_capacity=self.max_positions + 1,
         )
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i

@@ -88,8 +88,10 @@ class SlotKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_capacity: int = 2**62,
     ):
         self.shape = (0, kv_heads, 0, head_dim)
+        self.max_capacity = max_capacity  # no slot grows past it (the engine's positions + 1)
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = [self._empty() for _ in range(layers)]
         self.values: list[torch.Tensor] = [self._empty() for _ in range(layers)]
@@ -119,10 +121,11 @@ class SlotKV:
 
     def grown(self, slots: int, capacity: int) -> tuple[int, int]:
         """The (slots, capacity) that ``reserve(slots, capacity)`` leaves: what is there, or
-        more; a grown capacity takes half again what is asked, so growth stays rare."""
+        more; a grown capacity takes half again what is asked (up to ``max_capacity``), so
+        growth stays rare."""
         old_slots, _, old_capacity, _ = self.shape
         if capacity > old_capacity:
-            capacity = max(old_capacity, capacity + capacity // 2)
+            capacity = max(old_capacity, min(capacity + capacity // 2, self.max_capacity))
         return max(slots, old_slots), max(capacity, old_capacity)
 
     def bytes_for(self, slots: int, capacity: int) -> int:

@@ -125,3 +125,14 @@ def test_near_the_memory_limit_no_row_joins_a_running_batch_and_no_token_changes
     pressed["now"] = False
     results.update(_run(engine, [])[0])
     assert [results[i].token_ids for i in range(len(requests))] == [r.token_ids for r in free]
+
+
+def test_max_model_len_ends_rows_there_and_bounds_the_slots():
+    model = build_tiny_model(TinyModelConfig(num_layers=2), vocab_size=VOCAB, seed=4).eval()
+    request = GenerationRequest(tuple(range(3, 13)), SamplingParams(1.0, 1.0, 50, seed=1))
+    free = HFEngine(model, pad_token_id=0).generate([request])[0]
+    capped = HFEngine(model, pad_token_id=0, max_model_len=16)
+    result = capped.generate([request])[0]
+    assert result.finish_reason == "context" and len(result.token_ids) == 16 - 10
+    assert result.token_ids == free.token_ids[:6]
+    assert capped.kv.capacity <= 17

@@ -53,7 +53,7 @@ def test_engine_and_learner_terms_follow_the_settings():
     learned = {t.setting: t.nbytes for t in learner.terms if t.setting}
     assert learned["model.lora"] == 16 * sizes.lora_params
     assert learned["ppo.onednn_linears"] == 2 * 4 * sizes.linear_params
-    per_token = 2 * (8 * 128 + 4 * 512) + 3 * 100
+    per_token = 2 * (14 * 128 + 5 * 512) + 6 * 100
     assert learned["ppo.micro_batch_tokens"] == 256 * per_token * 4 + 256 * 256
     assert plan.fits()
 
@@ -76,3 +76,12 @@ def test_plan_command_prints_the_table_and_says_whether_it_fits(tmp_path, capsys
     too_big = ["--set", "engine.max_kv_bytes=100000000000000", "--set", "engine.max_num_seqs=99999"]
     assert main(["plan", "tiny-multihop", "--set", f"model.path={tmp_path}", *too_big]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_the_kv_term_is_the_slots_when_max_model_len_binds_first():
+    sizes = ModelSizes.of(_tiny().config, LORA)
+    cfg = JobConfig.model_validate({"engine": {"max_model_len": 100, "max_kv_bytes": GB}})
+    rollout = local_node_plan(cfg, sizes, node_bytes=64 * GB).processes[0]
+    kv = [t for t in rollout.terms if t.what == "running rows' KV bound"][0]
+    assert kv.nbytes == 64 * 101 * 1024  # max_num_seqs x (max_model_len + 1) x KV per token
+    assert kv.setting == "engine.max_num_seqs x max_model_len"
