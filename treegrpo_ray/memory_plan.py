@@ -2,8 +2,9 @@
 
 Per rollout worker with the embedded engine: the process runtime, the weights, their
 oneDNN-packed copies (``engine.onednn_linears``), the prefix cache's budget
-(``engine.cache_bytes``) and the running rows' KV bound (``engine.max_kv_bytes`` and
-``engine.max_num_seqs``). Per learner rank: the runtime, the weights, the trained parameters with
+(``engine.cache_bytes``), the running rows' KV bound (``engine.max_kv_bytes``, or
+``engine.max_num_seqs`` x ``engine.max_model_len``) and the freed memory glibc keeps as the cache
+churns. Per learner rank: the runtime, the weights, the trained parameters with
 their gradients and Adam state, the reference copy (full fine-tuning; LoRA disables the adapter
 instead), the packed frozen layers, and the activations one packed row of
 ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in full: the plan is what a
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from treegrpo_ray import TRIM_THRESHOLD_BYTES
 from treegrpo_ray.config import JobConfig, LoraSettings
 
 GB = 10**9
@@ -106,6 +108,14 @@ class ProcessPlan:
         return sum(t.nbytes for t in self.terms)
 
 
+def kept_free_bytes() -> int:
+    """Freed memory glibc may keep in a process (``treegrpo_ray.keep_freed_memory``): the prefix
+    cache's entries are small allocations from the heap, and the heap of a worker whose cache
+    evicts and inserts all the time stays up to this much above what it holds (measured: README,
+    "Memory: sizing a CPU node")."""
+    return 0 if os.environ.get("TREEGRPO_KEEP_FREED_MEMORY") == "0" else TRIM_THRESHOLD_BYTES
+
+
 def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int) -> ProcessPlan:
     """An embedded-engine rollout worker at its budgets (vLLM's pool is not counted here)."""
     engine = cfg.engine
@@ -121,6 +131,9 @@ def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int)
     kv = min(engine.kv_budget(workers_on_node), slots)
     setting = "engine.max_kv_bytes" if kv < slots else "engine.max_num_seqs x max_model_len"
     terms.append(Term("running rows' KV bound", kv, setting))
+    if engine.prefix_cache:
+        churn = min(kept_free_bytes(), engine.cache_bytes)
+        terms.append(Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes"))
     return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
 
 

@@ -46,10 +46,11 @@ def test_engine_and_learner_terms_follow_the_settings():
     plan = local_node_plan(cfg, sizes, node_bytes=64 * GB)
     rollout, learner = plan.processes
     assert rollout.count == 2 and learner.count == 1
-    terms = {t.setting: t.nbytes for t in rollout.terms if t.setting}
-    assert terms["engine.max_kv_bytes"] == 10**6  # under max_num_seqs x 512 positions x 1 KiB
-    assert terms["engine.cache_bytes"] == 2 * 10**6
-    assert terms["engine.onednn_linears"] == 4 * sizes.linear_params
+    terms = {t.what: t.nbytes for t in rollout.terms}
+    assert terms["running rows' KV bound"] == 10**6  # under max_num_seqs x 513 x 1 KiB
+    assert terms["prefix cache budget"] == 2 * 10**6
+    assert terms["freed memory glibc keeps (cache churn)"] == 2 * 10**6  # at most the cache
+    assert terms["oneDNN-packed linear weights"] == 4 * sizes.linear_params
     learned = {t.setting: t.nbytes for t in learner.terms if t.setting}
     assert learned["model.lora"] == 16 * sizes.lora_params
     assert learned["ppo.onednn_linears"] == 2 * 4 * sizes.linear_params
