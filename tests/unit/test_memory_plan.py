@@ -86,3 +86,15 @@ def test_the_kv_term_is_the_slots_when_max_model_len_binds_first():
     kv = [t for t in rollout.terms if t.what == "running rows' KV bound"][0]
     assert kv.nbytes == 64 * 101 * 1024  # max_num_seqs x (max_model_len + 1) x KV per token
     assert kv.setting == "engine.max_num_seqs x max_model_len"
+
+
+def test_train_refuses_a_local_job_over_the_node_before_ray_starts(tiny_policy, tmp_path, capsys):
+    import ray
+
+    over = ["engine.max_kv_bytes=100000000000000", "engine.max_num_seqs=99999"]
+    sets = [f"model.path={tiny_policy}", f"train.output_dir={tmp_path}", *over]
+    args = ["train", "tiny-multihop", "--quiet", *(x for s in sets for x in ("--set", s))]
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert "Ray starts killing workers" in error and "engine.max_num_seqs" in error
+    assert not ray.is_initialized() and not any(tmp_path.iterdir())
