@@ -230,12 +230,16 @@ def kill_share() -> float:
 
 def node_memory_used_share() -> float:
     """The share of this node's memory in use as Ray's monitor counts it: total less available
-    (``/proc/meminfo``), or a cgroup v2 limit and its usage where one is set."""
+    (``/proc/meminfo``), or a cgroup v2 limit and its usage where one is set; 0 where the kernel
+    does not say (not Linux)."""
     info = {}
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                key, value = line.split(":", 1)
+                info[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0.0
     total, used = info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
