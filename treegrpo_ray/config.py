@@ -479,6 +479,12 @@ class PPOConfig(_Section):
     clip_ratio: float = Field(0.2, gt=0, description="PPO ratio clip ε.")
     dual_clip: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
     kl_coef: float = Field(0.001, ge=0, description="Weight of the k3 KL to the reference policy.")
+    kl_clamp: bool = Field(
+        True,
+        description="The k3 KL as the Tree-GRPO code computes it: log-ratio clamped to [-20, 20], "
+        "the estimate to [-10, 10] (a token far below the reference adds at most 10 and no "
+        "gradient). False: unclamped, growing as exp(log-ratio).",
+    )
     entropy_coef: float = Field(0.001, ge=0, description="Weight of the entropy bonus.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     epochs: int = Field(1, gt=0, description="Passes over each batch of trees.")
@@ -526,7 +532,9 @@ class PPOConfig(_Section):
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
 
     def coefficients(self) -> PPOCoefficients:
-        return PPOCoefficients(self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef)
+        return PPOCoefficients(
+            self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef, self.kl_clamp
+        )
 
 
 class TrainConfig(_Section):

@@ -22,12 +22,14 @@ from treegrpo_ray.advantage import RoutedAdvantages
 class PPOCoefficients:
     """clip_ratio: ε of the clipped ratio; dual_clip: c of the dual clip (lower bound of the loss
     for negative advantages, c > 1); kl_coef: weight of the k3 KL to the reference; entropy_coef:
-    weight of the entropy bonus."""
+    weight of the entropy bonus; kl_clamp: the k3 estimate with the reference code's clamps
+    (``k3_kl``)."""
 
     clip_ratio: float = 0.2
     dual_clip: float = 3.0
     kl_coef: float = 0.001
     entropy_coef: float = 0.001
+    kl_clamp: bool = True
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -35,10 +37,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's low-variance estimator of KL(π || π_ref): exp(r) - r - 1 with r = ref - logp."""
+KL_LOG_RATIO_BOUND, KL_BOUND = 20.0, 10.0  # the Tree-GRPO code's low_var_kl clamps
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+    """Schulman's low-variance estimator of KL(π || π_ref): exp(r) - r - 1 with r = ref - logp.
+
+    ``clamp``: as the reference code's ``low_var_kl``, r clamped to [-20, 20] and the estimate to
+    [-10, 10], so a token whose probability fell far below the reference's (r above ~2.61) adds
+    at most 10 and no gradient; unclamped, it grows as exp(r), and so does its gradient. Any
+    shape; elementwise."""
     log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
+    if clamp:
+        log_ratio = log_ratio.clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+    kl = torch.exp(log_ratio) - log_ratio - 1
+    return kl.clamp(-KL_BOUND, KL_BOUND) if clamp else kl
 
 
 def dual_clip_pg_losses(
@@ -79,7 +92,7 @@ def ppo_loss(
     pg, clipped = dual_clip_pg_losses(
         logprobs, old_logprobs, advantages, coef.clip_ratio, coef.dual_clip
     )
-    kl = k3_kl(logprobs, ref_logprobs)
+    kl = k3_kl(logprobs, ref_logprobs, coef.kl_clamp)
     pg_loss = masked_mean(pg, loss_mask)
     kl_loss = masked_mean(kl, loss_mask)
     entropy_mean = masked_mean(entropy, loss_mask)
@@ -134,7 +147,7 @@ def routed_ppo_loss(
 
     pg_tokens = pg.sum(0) if is_weights is None else pg.sum(0) * is_weights
     pg_loss = total(pg_tokens)
-    kl = k3_kl(logprobs, ref_logprobs)
+    kl = k3_kl(logprobs, ref_logprobs, coef.kl_clamp)
     kl_loss = total(kl * routed.weights)
     entropy_mean = total(entropy * routed.weights)
     if routed.kl_coef is None or routed.entropy_coef is None:

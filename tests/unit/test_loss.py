@@ -56,6 +56,38 @@ def test_k3_kl_is_zero_at_equal_policies_and_positive_elsewhere():
     assert bool((k3_kl(logprobs, logprobs + 0.3) > 0).all())
 
 
+def test_k3_kl_takes_the_reference_codes_clamps_at_their_edges():
+    """r = ref - logp: exp(r) - r - 1 below the bound of 10 (r < ~2.61, and r > -20 with the
+    log-ratio clamp), 10 and no gradient above it; unclamped it keeps growing (values and
+    d/dlogp = 1 - exp(r) by hand)."""
+    ref = torch.tensor([1.0, -5.0, 2.6, 2.62, 3.0, 25.0, -25.0], dtype=torch.float64)
+    logprobs = torch.zeros_like(ref, requires_grad=True)
+    clamped = k3_kl(logprobs, ref)
+    clamped.sum().backward()
+    want = [0.7182818285, 4.0067379470, 9.8637380350, 10.0, 10.0, 10.0, 10.0]
+    torch.testing.assert_close(clamped.detach(), torch.tensor(want, dtype=torch.float64))
+    grads = [-1.7182818285, 0.9932620530, -12.4637380350, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(logprobs.grad, torch.tensor(grads, dtype=torch.float64))
+    logprobs.grad = None
+    free = k3_kl(logprobs, ref, clamp=False)
+    free.sum().backward()
+    assert free[4].item() == pytest.approx(16.0855369232) and free[5].item() > 7.2e10
+    assert logprobs.grad[4].item() == pytest.approx(-19.0855369232)
+    assert free[6].item() == pytest.approx(24.0)  # exp(-25) + 25 - 1
+
+
+def test_the_loss_uses_the_kl_clamp_setting():
+    logprobs = torch.zeros(1, 2)
+    ref = torch.tensor([[3.0, 0.5]])
+    mask = torch.ones(1, 2)
+    args = (logprobs, logprobs, ref, torch.zeros(1, 2), torch.zeros(1, 2), mask)
+    _, clamped = ppo_loss(*args, PPOCoefficients())
+    _, free = ppo_loss(*args, PPOCoefficients(kl_clamp=False))
+    half = math.exp(0.5) - 1.5
+    assert clamped["learner/kl"] == pytest.approx((10.0 + half) / 2)
+    assert free["learner/kl"] == pytest.approx((math.exp(3.0) - 4.0 + half) / 2)
+
+
 def test_gradient_flows_only_through_masked_tokens():
     logprobs = torch.zeros(1, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 0.0, 1.0]])
