@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
         "saved config is used; --set train.steps=N extends it)",
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
+    checkpoints = sub.add_parser(
+        "checkpoints", help="a run's checkpoints: step, size, intact or damaged (and why)"
+    )
+    checkpoints.add_argument("run", type=Path, metavar="RUN_DIR", help="e.g. runs/NAME")
     model = sub.add_parser("model", help="pretrained models shipped in Python packages")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     prepare = model_sub.add_parser("prepare", help="convert a packaged model once; prints its path")
@@ -95,6 +99,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "trees":
         return _trees(args)
+    if args.command == "checkpoints":
+        return _checkpoints(args.run)
     if args.command == "presets":
         print("\n".join(preset_names()))
         return 0
@@ -127,6 +133,33 @@ def _run(args: argparse.Namespace) -> int:
         return INTERRUPTED
     print(summary["line"])
     return 0
+
+
+def _checkpoints(run: Path) -> int:
+    """``treegrpo checkpoints``: one line per checkpoint, newest first; exit 1 if one is damaged."""
+    from treegrpo_ray.learners.checkpoint import (
+        check_checkpoint,
+        checkpoints_newest_first,
+        latest_checkpoint,
+    )
+
+    root = run / "checkpoints"
+    paths = checkpoints_newest_first(root)
+    if not paths:
+        raise UserInputError(f"{run} holds no checkpoint ({root} has no step-* directory)")
+    latest = latest_checkpoint(root)
+    if latest is not None and not latest.is_dir():
+        print(f"latest names {latest.name}, which does not exist")
+    damaged = 0
+    for path in paths:
+        check = check_checkpoint(path)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**20
+        state = "intact" if check.verified else "loads, not verified (no manifest)"
+        if not check.intact:
+            state, damaged = f"damaged: {check.problem}", damaged + 1
+        mark = "  <- latest" if latest is not None and path.name == latest.name else ""
+        print(f"{path.name}  {size:9.1f} MiB  {state}{mark}")
+    return 1 if damaged else 0
 
 
 def _trees(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +32,12 @@ from treegrpo_ray.cluster.plan import check_memory
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
-from treegrpo_ray.learners.checkpoint import latest_checkpoint
+from treegrpo_ray.learners.checkpoint import (
+    LATEST,
+    intact_checkpoint,
+    latest_checkpoint,
+    point_latest,
+)
 from treegrpo_ray.learners.learner import train_loop_per_worker
 from treegrpo_ray.learners.protocol_warmstart import protocol_warm_start
 from treegrpo_ray.learners.warmstart import warm_start
@@ -219,8 +225,40 @@ def kept(cfg: JobConfig) -> str:
     return f"`treegrpo train --resume {cfg.run_dir}` continues from update {step}"
 
 
+def use_intact_checkpoint(cfg: JobConfig) -> None:
+    """Before a resume starts anything: verify the checkpoint ``latest`` names against its
+    manifest; a damaged one is skipped for the newest intact one (``latest`` is pointed there),
+    one line each on stderr. Raises UserInputError when none is intact."""
+    root = cfg.run_dir / "checkpoints"
+    if not (root / LATEST).is_file():
+        return  # resume_step says there is none
+    chosen, damaged = intact_checkpoint(root)
+    if chosen is None:
+        found = "; ".join(f"{c.path.name}: {c.problem}" for c in damaged)
+        raise UserInputError(
+            f"cannot resume {cfg.run_dir}: no intact checkpoint ({found}); restore the files "
+            "or start the run again with --overwrite"
+        )
+    for check in damaged:
+        print(
+            f"treegrpo: checkpoint {check.path.name} is damaged ({check.problem}); resuming "
+            f"from {chosen.path.name}",
+            file=sys.stderr,
+        )
+    if not chosen.verified:
+        print(
+            f"treegrpo: checkpoint {chosen.path.name} has no manifest (written by an older "
+            "version): it loads, but cannot be verified",
+            file=sys.stderr,
+        )
+    if damaged:
+        point_latest(root, chosen.path.name)
+
+
 def resume_step(cfg: JobConfig) -> int:
-    """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``."""
+    """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``,
+    once verified (``use_intact_checkpoint``)."""
+    use_intact_checkpoint(cfg)
     step = checkpoint_step(cfg)
     if step is None:
         raise UserInputError(

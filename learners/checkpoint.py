@@ -3,9 +3,12 @@
 A checkpoint directory holds a ``LearnerState`` (``Learner.state_dict``): the trainable weights
 (the whole model, or with LoRA only the adapter), the optimizer state, the torch RNG state and
 ``trainer_state.json`` (the learner's counters and whatever the caller adds, such as the data
-cursor). Checkpoints go to ``ROOT/step-NNNNNN``: each is written to a temporary directory and
-renamed into place, then ``ROOT/latest`` (a one-line file) is replaced atomically to name it, so
-until the new one is complete ``latest`` names the previous one.
+cursor), and last ``manifest.json``: every file with its size and CRC-32, the step and the format
+version. Checkpoints go to ``ROOT/step-NNNNNN``: each is written to a temporary directory, its
+files and the directory flushed to the disk, renamed into place, then ``ROOT/latest`` (a one-line
+file) is replaced atomically to name it and ``ROOT`` flushed, so until the new one is complete and
+on disk ``latest`` names the previous one. ``check_checkpoint`` verifies one against its manifest;
+``intact_checkpoint`` finds the newest intact one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,9 @@ from safetensors.torch import load_file, save_file
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept on disk (the newest ones)
+MANIFEST = "manifest.json"
+FORMAT = 1  # of the manifest
+CHUNK = 16 << 20  # bytes read at a time for the checksums
 
 
 @dataclass
@@ -52,15 +59,122 @@ def save_checkpoint(state: LearnerState, root: Path, extra: dict[str, Any] | Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         _write_state(state, tmp, extra or {})
+        _write_manifest(tmp, state.version)
+        for path in [*tmp.iterdir(), tmp]:
+            _flush(path)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST)
+    point_latest(root, final.name)
     _drop_old(root, final.name)
     return final
+
+
+def point_latest(root: Path, name: str) -> None:
+    """Make ``root/latest`` name checkpoint ``name``: replaced atomically, then flushed."""
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name + "\n")
+    _flush(pointer)
+    os.replace(pointer, root / LATEST)
+    _flush(root)
+
+
+def _flush(path: Path) -> None:
+    """Flush a file's or a directory's entries to the disk (``fsync``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_manifest(directory: Path, step: int) -> None:
+    """Every file of ``directory`` with its size and CRC-32 (written last)."""
+    files = {
+        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(directory.iterdir())
+    }
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+@dataclass(frozen=True)
+class CheckpointCheck:
+    """What ``check_checkpoint`` found: ``problem`` is "" for an intact checkpoint, else which
+    file and what was wrong; ``verified``: checked against a manifest (False for a checkpoint
+    written before manifests existed, which was only parsed)."""
+
+    path: Path
+    problem: str
+    verified: bool
+
+    @property
+    def intact(self) -> bool:
+        return not self.problem
+
+
+def check_checkpoint(path: Path) -> CheckpointCheck:
+    """Verify ``path`` against its manifest: every file there, of its size and checksum."""
+    if not path.is_dir():
+        return CheckpointCheck(path, f"{path.name} does not exist", verified=False)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return _check_unverifiable(path)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return CheckpointCheck(path, f"{MANIFEST} is unreadable ({err})", verified=True)
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return CheckpointCheck(path, f"{name} is missing", verified=True)
+        size = file.stat().st_size
+        if size != want["bytes"]:
+            problem = f"{name} has {size} bytes, {want['bytes']} were written"
+            return CheckpointCheck(path, problem, verified=True)
+        if _crc32(file) != want["crc32"]:
+            problem = f"{name} does not match its checksum (its bytes changed)"
+            return CheckpointCheck(path, problem, verified=True)
+    return CheckpointCheck(path, "", verified=True)
+
+
+def _check_unverifiable(path: Path) -> CheckpointCheck:
+    """A checkpoint without a manifest (written before they existed): parsed, not verified."""
+    try:
+        load_checkpoint(path)
+    except Exception as err:  # any damage: the message says what could not be read
+        problem = f"no {MANIFEST}, and it does not load: {type(err).__name__}: {err}"
+        return CheckpointCheck(path, problem.splitlines()[0], verified=False)
+    return CheckpointCheck(path, "", verified=False)
+
+
+def checkpoints_newest_first(root: Path) -> list[Path]:
+    """The step directories under ``root``, newest first."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+
+
+def intact_checkpoint(root: Path) -> tuple[CheckpointCheck | None, list[CheckpointCheck]]:
+    """The checkpoint to resume from: the one ``latest`` names if intact, else the newest intact
+    one older than it; and the damaged ones passed over, newest first."""
+    named = latest_checkpoint(root)
+    if named is None:
+        return None, []
+    candidates = [named] + [p for p in checkpoints_newest_first(root) if p.name < named.name]
+    damaged = []
+    for path in candidates:
+        check = check_checkpoint(path)
+        if check.intact:
+            return check, damaged
+        damaged.append(check)
+    return None, damaged
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -113,17 +113,28 @@ UNREPEATABLE = (
 )
 
 
-def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path):
+@pytest.mark.parametrize("loss", ["unwritten", "damaged"])
+def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path, loss, capsys):
+    """The job dies after publishing step 2 but before its checkpoint was complete (unwritten:
+    the newest complete checkpoint is step 1), or step 2's checkpoint was damaged afterwards (its
+    weights cut to half, as a full disk leaves them): either way the resume continues from step
+    1, and metrics.jsonl already has step 2."""
     cfg, full = two_step_run(learners=1)
-    # The job dies after publishing step 2 but before checkpointing it: the newest complete
-    # checkpoint is step 1, and metrics.jsonl already has step 2.
     died = tmp_path / "died"
     shutil.copytree(cfg.run_dir, died, ignore=shutil.ignore_patterns("ray_train", "checkpoint-*"))
-    shutil.rmtree(died / "checkpoints" / "step-000002")
-    (died / "checkpoints" / "latest").write_text("step-000001\n")
+    if loss == "unwritten":
+        shutil.rmtree(died / "checkpoints" / "step-000002")
+        (died / "checkpoints" / "latest").write_text("step-000001\n")
+    else:
+        weights = died / "checkpoints" / "step-000002" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     (died / "summary.json").unlink()
 
     assert main(["train", "--resume", str(died), "--quiet"]) == 0
+    if loss == "damaged":
+        err = capsys.readouterr().err
+        assert "checkpoint step-000002 is damaged (model.safetensors has" in err
+        assert "resuming from step-000001" in err
 
     resumed = json.loads((died / "summary.json").read_text())
     assert resumed["steps"] == 2 and resumed["rollout/worker_versions"] == [2]

@@ -76,3 +76,103 @@ def test_only_the_newest_checkpoints_are_kept(tiny_cfg, tiny_policy, tmp_path):
     names = sorted(p.name for p in tmp_path.glob("step-*"))
     assert names == ["step-000002", "step-000003"]
     assert checkpoint.latest_checkpoint(tmp_path).name == "step-000003"
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # in the tensor data, past the safetensors header
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "truncated": (lambda d: _truncate(d / "model.safetensors"), "has"),
+    "deleted": (lambda d: (d / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+    "flipped": (lambda d: _flip_a_byte(d / "model.safetensors"), "does not match its checksum"),
+    "manifest missing": (lambda d: (d / "manifest.json").unlink(), None),
+    "latest names a missing directory": (lambda d: checkpoint.shutil.rmtree(d), "does not exist"),
+}
+
+
+@pytest.fixture
+def two_checkpoints(tiny_cfg, tiny_policy, tmp_path):
+    """``tmp_path`` with the checkpoints of versions 1 and 2 (latest: 2)."""
+    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    paths = []
+    for version in (1, 2):
+        learner.version = version
+        paths.append(checkpoint.save_checkpoint(learner.state_dict(), tmp_path))
+    return paths
+
+
+def test_a_checkpoint_carries_a_manifest_of_its_files(two_checkpoints):
+    newest = two_checkpoints[1]
+    manifest = checkpoint.json.loads((newest / "manifest.json").read_text())
+    assert manifest["format"] == 1 and manifest["step"] == 2
+    names = {p.name for p in newest.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == names
+    size = (newest / "model.safetensors").stat().st_size
+    assert manifest["files"]["model.safetensors"]["bytes"] == size
+    check = checkpoint.check_checkpoint(newest)
+    assert check.intact and check.verified
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_checkpoint_is_found_and_passed_over(two_checkpoints, tmp_path, damage):
+    older, newest = two_checkpoints
+    harm, problem = DAMAGE[damage]
+    harm(newest)
+    chosen, damaged = checkpoint.intact_checkpoint(tmp_path)
+    if problem is None:  # a checkpoint without a manifest still loads: used, not verified
+        assert chosen.path == newest and chosen.intact and not chosen.verified
+        return
+    assert chosen.path == older and chosen.verified
+    assert [c.path for c in damaged] == [newest] and problem in damaged[0].problem
+
+
+def test_a_checkpoint_without_manifest_that_does_not_load_is_damaged(two_checkpoints):
+    newest = two_checkpoints[1]
+    (newest / "manifest.json").unlink()
+    _truncate(newest / "model.safetensors")
+    check = checkpoint.check_checkpoint(newest)
+    assert not check.intact and "does not load" in check.problem
+
+
+def test_with_no_intact_checkpoint_nothing_is_chosen(two_checkpoints, tmp_path):
+    for path in two_checkpoints:
+        _truncate(path / "model.safetensors")
+    chosen, damaged = checkpoint.intact_checkpoint(tmp_path)
+    assert chosen is None and [c.path for c in damaged] == two_checkpoints[::-1]
+
+
+def test_checkpoints_command_lists_each_with_its_state(two_checkpoints, tmp_path, capsys):
+    from treegrpo_ray.cluster.cli import main
+
+    run = tmp_path.parent / "run"
+    checkpoint.shutil.move(tmp_path, run / "checkpoints")
+    assert main(["checkpoints", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["step-000002", "step-000001"]
+    assert "intact" in lines[0] and lines[0].endswith("<- latest")
+    _flip_a_byte(run / "checkpoints" / "step-000001" / "model.safetensors")
+    assert main(["checkpoints", str(run)]) == 1
+    assert "damaged: model.safetensors does not match its checksum" in capsys.readouterr().out
+
+
+def test_a_resume_with_no_intact_checkpoint_is_one_clear_error(two_checkpoints, tmp_path):
+    from treegrpo_ray.cluster.train import use_intact_checkpoint
+    from treegrpo_ray.config import JobConfig
+    from treegrpo_ray.errors import UserInputError
+
+    cfg = JobConfig.model_validate({"name": "run", "train": {"output_dir": str(tmp_path.parent)}})
+    checkpoint.shutil.move(tmp_path, cfg.run_dir / "checkpoints")
+    moved = [cfg.run_dir / "checkpoints" / p.name for p in two_checkpoints]
+    _flip_a_byte(moved[1] / "model.safetensors")
+    use_intact_checkpoint(cfg)  # the older one is intact: latest now names it
+    assert checkpoint.latest_checkpoint(cfg.run_dir / "checkpoints") == moved[0]
+    (moved[0] / "optimizer.pt").unlink()
+    with pytest.raises(UserInputError, match="no intact checkpoint .*optimizer.pt is missing"):
+        use_intact_checkpoint(cfg)
