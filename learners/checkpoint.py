@@ -59,7 +59,7 @@ def save_checkpoint(state: LearnerState, root: Path, extra: dict[str, Any] | Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         _write_state(state, tmp, extra or {})
-        _write_manifest(tmp, state.version)
+        write_manifest(tmp, state.version)
         for path in [*tmp.iterdir(), tmp]:
             _flush(path)
         shutil.rmtree(final, ignore_errors=True)
@@ -97,7 +97,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _write_manifest(directory: Path, step: int) -> None:
+def write_manifest(directory: Path, step: int) -> None:
     """Every file of ``directory`` with its size and CRC-32 (written last)."""
     files = {
         p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(directory.iterdir())

@@ -193,14 +193,17 @@ def test_existing_run_directory_is_not_mixed_into(treegrpo, tmp_path):
 
 @pytest.fixture
 def stopped_run(tmp_path):
-    """A run directory as `treegrpo train` leaves it: its config, and a checkpoint at step 2."""
+    """A run directory as `treegrpo train` leaves it: its config, and a checkpoint at step 2 (its
+    counters only, with the manifest that makes it pass verification)."""
     from treegrpo_ray.config import load_config, save_run_config
+    from treegrpo_ray.learners.checkpoint import write_manifest
 
     cfg = load_config("tiny-multihop", ["name=stopped", f"train.output_dir={tmp_path}"])
     save_run_config(cfg.with_absolute_paths())
     step = cfg.run_dir / "checkpoints" / "step-000002"
     step.mkdir(parents=True)
     (step / "trainer_state.json").write_text('{"policy_version": 2}')
+    write_manifest(step, 2)
     (cfg.run_dir / "checkpoints" / "latest").write_text("step-000002\n")
     return cfg.run_dir
 
