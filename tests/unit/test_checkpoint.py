@@ -151,7 +151,7 @@ def test_with_no_intact_checkpoint_nothing_is_chosen(two_checkpoints, tmp_path):
 def test_checkpoints_command_lists_each_with_its_state(two_checkpoints, tmp_path, capsys):
     from treegrpo_ray.cluster.cli import main
 
-    run = tmp_path.parent / "run"
+    run = tmp_path.parent / f"{tmp_path.name}-run"  # tmp_path itself holds the checkpoints
     checkpoint.shutil.move(tmp_path, run / "checkpoints")
     assert main(["checkpoints", str(run)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -167,7 +167,8 @@ def test_a_resume_with_no_intact_checkpoint_is_one_clear_error(two_checkpoints, 
     from treegrpo_ray.config import JobConfig
     from treegrpo_ray.errors import UserInputError
 
-    cfg = JobConfig.model_validate({"name": "run", "train": {"output_dir": str(tmp_path.parent)}})
+    name = f"{tmp_path.name}-run"  # tmp_path itself holds the checkpoints
+    cfg = JobConfig.model_validate({"name": name, "train": {"output_dir": str(tmp_path.parent)}})
     checkpoint.shutil.move(tmp_path, cfg.run_dir / "checkpoints")
     moved = [cfg.run_dir / "checkpoints" / p.name for p in two_checkpoints]
     _flip_a_byte(moved[1] / "model.safetensors")
