@@ -65,10 +65,10 @@ def rollout_child(preset: str, case: str, trees_path: str) -> dict:
 
     from treegrpo_ray.actors.rollout_worker import RolloutWorker
     from treegrpo_ray.actors.schedule import Lease, load_task
-    from treegrpo_ray.cluster.plan import architecture_path
+    from treegrpo_ray.cluster.plan import model_sizes
     from treegrpo_ray.cluster.train import resolve_model_path
     from treegrpo_ray.config import load_config
-    from treegrpo_ray.memory_plan import ModelSizes, rollout_worker_plan
+    from treegrpo_ray.memory_plan import rollout_worker_plan
     from treegrpo_ray.tree import batch_info
 
     cfg = load_config(preset, overrides(case))
@@ -80,10 +80,7 @@ def rollout_child(preset: str, case: str, trees_path: str) -> dict:
     table = worker.expand(Lease(0, groups, seed=1000))
     seconds = time.perf_counter() - start
     Path(trees_path).write_bytes(_arrow_bytes(table))
-    from transformers import AutoConfig
-
-    sizes = ModelSizes.of(AutoConfig.from_pretrained(architecture_path(cfg)), cfg.model.lora)
-    plan = rollout_worker_plan(cfg, sizes, workers_on_node=1)
+    plan = rollout_worker_plan(cfg, model_sizes(cfg), workers_on_node=1)
     generated = sum(b.generated_tokens for b in batch_info(table).budgets.values())
     engine = worker.engine
     return {
@@ -106,13 +103,12 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
     """One learner update on the trees a rollout case wrote; its peak and the plan's."""
     import pyarrow as pa
     import ray  # noqa: F401
-    from transformers import AutoConfig
 
-    from treegrpo_ray.cluster.plan import architecture_path
+    from treegrpo_ray.cluster.plan import model_sizes
     from treegrpo_ray.cluster.train import resolve_model_path
     from treegrpo_ray.config import load_config
     from treegrpo_ray.learners.learner import Learner
-    from treegrpo_ray.memory_plan import ModelSizes, learner_plan
+    from treegrpo_ray.memory_plan import learner_plan
     from treegrpo_ray.tree import trees_from_arrow
 
     cfg = load_config(preset, overrides(case))
@@ -121,8 +117,7 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
         trees = trees_from_arrow(reader.read_all())
     start = time.perf_counter()
     metrics = learner.update(trees)
-    sizes = ModelSizes.of(AutoConfig.from_pretrained(architecture_path(cfg)), cfg.model.lora)
-    plan = learner_plan(cfg, sizes, ranks_on_node=1)
+    plan = learner_plan(cfg, model_sizes(cfg), ranks_on_node=1)
     return {
         "case": case,
         "seconds": time.perf_counter() - start,
@@ -136,17 +131,15 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
 def replan(results: dict) -> None:
     """Recompute each case's plan with this checkout's ``memory_plan`` (the measured figures do
     not depend on it)."""
-    from transformers import AutoConfig
 
-    from treegrpo_ray.cluster.plan import architecture_path
+    from treegrpo_ray.cluster.plan import model_sizes
     from treegrpo_ray.config import load_config
-    from treegrpo_ray.memory_plan import ModelSizes, learner_plan, rollout_worker_plan
+    from treegrpo_ray.memory_plan import learner_plan, rollout_worker_plan
 
     for role, records in (("rollout", results["rollouts"]), ("learner", results["learners"])):
         for record in records:
             cfg = load_config(results["preset"], overrides(record["case"]))
-            config = AutoConfig.from_pretrained(architecture_path(cfg))
-            sizes = ModelSizes.of(config, cfg.model.lora)
+            sizes = model_sizes(cfg)
             if role == "rollout":
                 plan = rollout_worker_plan(cfg, sizes, workers_on_node=1)
             else:

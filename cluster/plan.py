@@ -14,11 +14,17 @@ from treegrpo_ray.memory_plan import ModelSizes, NodePlan, local_node_plan
 from treegrpo_ray.pretrained import prepare_model
 
 
+def model_sizes(cfg: JobConfig, model_path: str | Path | None = None) -> ModelSizes:
+    """The sizes of the policy at ``model_path`` (default ``architecture_path(cfg)``) with the
+    job's LoRA settings."""
+    path = architecture_path(cfg) if model_path is None else model_path
+    config = AutoConfig.from_pretrained(str(resolve_policy_path(path)))
+    return ModelSizes.of(config, cfg.model.lora)
+
+
 def node_plan(cfg: JobConfig, model_path: str | Path) -> NodePlan:
     """The plan of ``cfg`` on this node, the policy's architecture read from ``model_path``."""
-    config = AutoConfig.from_pretrained(str(resolve_policy_path(model_path)))
-    sizes = ModelSizes.of(config, cfg.model.lora)
-    return local_node_plan(cfg, sizes, node_memory_bytes())
+    return local_node_plan(cfg, model_sizes(cfg, model_path), node_memory_bytes())
 
 
 def architecture_path(cfg: JobConfig) -> str | Path:

@@ -330,22 +330,21 @@ class HFEngine:
         request runs, alone if need be)."""
         if self.max_kv_bytes is None or running + len(joining) == 1:
             return True
-        return self._slot_bytes(running + len(joining), joining) <= self.max_kv_bytes
-
-    def _slot_bytes(self, slots: int, joining: list[_Row]) -> int:
-        """Bytes of ``slots`` slots at the capacity ``joining`` grows them to."""
+        slots = running + len(joining)
         _, capacity = self.kv.grown(slots, self._capacity(joining))
-        return self.kv.bytes_for(slots, capacity)
+        return self.kv.bytes_for(slots, capacity) <= self.max_kv_bytes
 
     def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
         """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
         least the last token) through the model; returns the logits (k, V) of the last tokens."""
-        slots = first + len(rows)
-        if self.max_kv_bytes is not None and self.kv.bytes_for(
-            *self.kv.grown(slots, self._capacity(rows))
-        ) > max(self.max_kv_bytes, self._slot_bytes(slots, rows)):
-            self.kv.shrink(first)  # the slots beyond the running rows would pass the bound
-        self.kv.reserve(slots, self._capacity(rows))
+        slots, capacity = first + len(rows), self._capacity(rows)
+        if (
+            self.max_kv_bytes is not None
+            and self.kv.slots > slots
+            and self.kv.bytes_for(*self.kv.grown(slots, capacity)) > self.max_kv_bytes
+        ):
+            self.kv.shrink(slots)  # unused slots kept would pass the bound
+        self.kv.reserve(slots, capacity)
         new_ids = []
         for slot, row in enumerate(rows, start=first):
             prefix = row.request.prefix_ids
