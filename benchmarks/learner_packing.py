@@ -87,13 +87,19 @@ def _complete_branch(tree: Tree, parent: int, rng: random.Random) -> None:
         parent = node.node_id
 
 
-def packed_step(model: torch.nn.Module, batch: PackedBatch, advantages: torch.Tensor) -> float:
-    """Forward + backward of one paper-mode step over the packed rows; returns the loss."""
+def packed_step(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    advantages: torch.Tensor,
+    mask_dtype: torch.dtype | None = None,
+) -> float:
+    """Forward + backward of one paper-mode step over the packed rows (a dense tree mask in
+    ``mask_dtype``, default the model's); returns the loss."""
     routed = batch.route(advantages, "paper")
     denominator = float((batch.loss_mask * routed.weights).sum())
     total = 0.0
     for r in range(batch.num_rows):
-        logprobs, entropy = packed_logprobs(model, batch, r)
+        logprobs, entropy = packed_logprobs(model, batch, r, mask_dtype=mask_dtype)
         old = logprobs.detach()
         loss, _ = routed_ppo_loss(
             logprobs,

@@ -47,9 +47,9 @@ import torch
 from treegrpo_ray.actors.engines.hf_engine import ForwardTrace, HFEngine
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease, load_task
-from treegrpo_ray.cluster.train import resolve_model_path
 from treegrpo_ray.config import load_config
 from treegrpo_ray.learners.learner import Learner
+from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 from treegrpo_ray.tree import batch_info, trees_from_arrow
 

@@ -66,8 +66,8 @@ def rollout_child(preset: str, case: str, trees_path: str) -> dict:
     from treegrpo_ray.actors.rollout_worker import RolloutWorker
     from treegrpo_ray.actors.schedule import Lease, load_task
     from treegrpo_ray.cluster.plan import model_sizes
-    from treegrpo_ray.cluster.train import resolve_model_path
     from treegrpo_ray.config import load_config
+    from treegrpo_ray.learners.policies import resolve_model_path
     from treegrpo_ray.memory_plan import rollout_worker_plan
     from treegrpo_ray.tree import batch_info
 
@@ -105,9 +105,9 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
     import ray  # noqa: F401
 
     from treegrpo_ray.cluster.plan import model_sizes
-    from treegrpo_ray.cluster.train import resolve_model_path
     from treegrpo_ray.config import load_config
     from treegrpo_ray.learners.learner import Learner
+    from treegrpo_ray.learners.policies import resolve_model_path
     from treegrpo_ray.memory_plan import learner_plan
     from treegrpo_ray.tree import trees_from_arrow
 

@@ -258,7 +258,7 @@ def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float
 def run_job(job: Job, out: Path) -> dict[str, Any]:
     """Train one arm, evaluating along the way; returns its record (costs are per prompt)."""
     from treegrpo_ray.cluster.local_run import LocalRun
-    from treegrpo_ray.cluster.train import resolve_model_path
+    from treegrpo_ray.learners.policies import resolve_model_path
 
     cfg = job.config()
     run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
@@ -301,8 +301,8 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
 
 def _prepare_warm_starts(preset: str, settings: Settings, log: Callable[[str], None]) -> None:
     """Build (or find cached) each warm start once, before runs share them."""
-    from treegrpo_ray.cluster.train import resolve_model_path
     from treegrpo_ray.config import load_config
+    from treegrpo_ray.learners.policies import resolve_model_path
 
     for start, overrides in settings.starts.items():
         started = time.perf_counter()

@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return print_plan(cfg)
     if args.command == "warmstart":
-        from treegrpo_ray.cluster.train import resolve_model_path
+        from treegrpo_ray.learners.policies import resolve_model_path
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0

@@ -34,7 +34,7 @@ def architecture_path(cfg: JobConfig) -> str | Path:
         return cfg.model.path
     if cfg.model.pretrained is not None:
         return prepare_model(cfg.model.pretrained)
-    from treegrpo_ray.cluster.train import resolve_model_path
+    from treegrpo_ray.learners.policies import resolve_model_path
 
     return resolve_model_path(cfg)
 

@@ -30,7 +30,6 @@ from treegrpo_ray.cluster.memory_kills import memory_kill_line
 from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.cluster.plan import check_memory
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
-from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import (
     LATEST,
@@ -39,31 +38,10 @@ from treegrpo_ray.learners.checkpoint import (
     point_latest,
 )
 from treegrpo_ray.learners.learner import train_loop_per_worker
-from treegrpo_ray.learners.protocol_warmstart import protocol_warm_start
-from treegrpo_ray.learners.warmstart import warm_start
-from treegrpo_ray.modeling import check_policy_dir
-from treegrpo_ray.pretrained import prepare_model
+from treegrpo_ray.learners.policies import resolve_model_path
 
 FIT_THREAD = "treegrpo-fit"  # the driver thread that runs the learners' TorchTrainer.fit
 FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the run stopped
-
-
-def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:
-    """The policy the workers load: ``model.path`` (checked on this node), the packaged pretrained
-    model warm-started on the protocol, or the warm-started tiny model (both prepared once, then
-    cached). A local directory comes back absolute; a Hugging Face Hub id comes back as written,
-    for each worker to resolve in its own node's cache (``resolve_policy_path``)."""
-    if cfg.model.path is not None:
-        check_policy_dir(cfg.model.path)
-        local = Path(cfg.model.path).expanduser()
-        return str(local.resolve()) if local.is_dir() else cfg.model.path
-    if cfg.model.pretrained is not None:
-        base = prepare_model(cfg.model.pretrained)
-        if cfg.warmstart.steps == 0:
-            return str(base)
-        return str(protocol_warm_start(cfg, base, progress=progress))
-    check_model_path(cfg.task.name, None)  # the tiny model reads multihop only
-    return str(warm_start(cfg.task.multihop, cfg.model.tiny, cfg.warmstart, progress=progress))
 
 
 def check_engine_installed(cfg: JobConfig) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,10 @@ from treegrpo_ray.saved_trees import (
     write_saved_trees,
 )
 from treegrpo_ray.tree import Tree, batch_info, trees_from_arrow
+from treegrpo_ray.tree_attention import TREE_FLEX
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 def token_logprobs(
@@ -91,15 +95,10 @@ def packed_logprobs(
     Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
     those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,) float32 on
     the batch's device, 0 off action tokens, under ``softmax(logits / temperature)``. The model
-    must use ``sdpa`` or ``eager`` attention (see ``treegrpo_ray.packing``); the tree mask is
-    built in ``mask_dtype`` (default: the model's), the dtype its attention computes in.
+    must use ``sdpa``, ``eager`` or ``tree_flex`` (``treegrpo_ray.tree_attention``; see ``treegrpo_ray.packing``); a dense
+    tree mask is built in ``mask_dtype`` (default: the model's), the dtype its attention computes
+    in.
     """
-    attention = model.config._attn_implementation
-    if attention not in ("sdpa", "eager"):
-        raise ValueError(
-            f"packed training needs sdpa or eager attention (a dense 4D tree mask), the model uses "
-            f"{attention}; load it with attn_implementation='sdpa'"
-        )
     n = batch.row_length(row)
     input_ids = batch.input_ids[row, :n]
     (pos,) = batch.loss_mask[row].nonzero(as_tuple=True)
@@ -107,7 +106,7 @@ def packed_logprobs(
     predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
     logits = model(
         input_ids=input_ids[None],
-        attention_mask=batch.attention_bias(row, mask_dtype or next(model.parameters()).dtype),
+        attention_mask=_tree_mask_for(model, batch, row, mask_dtype),
         position_ids=batch.position_ids[row, None, :n],
         use_cache=False,
         logits_to_keep=predictors,
@@ -119,6 +118,33 @@ def packed_logprobs(
     logprobs = torch.zeros(width, device=pos.device).index_put((pos,), action_logprobs)
     entropy = torch.zeros(width, device=pos.device).index_put((pos,), action_entropy)
     return logprobs, entropy
+
+
+def _tree_mask_for(
+    model: torch.nn.Module, batch: PackedBatch, row: int, dtype: torch.dtype | None
+) -> torch.Tensor | BlockMask:
+    """The tree mask of packed ``row`` in the form ``model``'s attention takes."""
+    attention = model.config._attn_implementation
+    if attention == TREE_FLEX:
+        return batch.flex_block_mask(row)
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(
+            f"packed training needs sdpa, eager or {TREE_FLEX} attention (a tree mask), the "
+            f"model uses {attention}; set ppo.attention"
+        )
+    return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
+
+
+def attention_implementation(setting: str, device: torch.device) -> str:
+    """transformers' ``attn_implementation`` for ``ppo.attention`` on ``device``."""
+    if setting == "flex" and device.type != "cuda":
+        raise UserInputError(
+            f"ppo.attention=flex needs a CUDA learner (this one is on {device.type}): PyTorch's "
+            "flex_attention has no backward pass there; set ppo.attention to auto or sdpa"
+        )
+    if setting in ("flex", "auto") and device.type == "cuda":
+        return TREE_FLEX
+    return "sdpa"
 
 
 @torch.no_grad()
@@ -201,6 +227,9 @@ class Learner:
         torch.manual_seed(seed)
         self.device = torch.device(device)
         self.model, self.tokenizer = load_policy(model_path)
+        self.model.set_attn_implementation(attention_implementation(ppo.attention, self.device))
+        if ppo.activation_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.to(self.device)
         self.lora = lora is not None and lora.enabled
         self.ref_model: torch.nn.Module | None = None
@@ -486,7 +515,9 @@ class Learner:
             finite = bool(torch.isfinite(loss))
             if not finite:
                 break
-            loss.backward()
+            # activation checkpointing recomputes the forward here: on the forward's path
+            with OneDNNLinears.active_if(self.onednn):
+                loss.backward()
             row_stats["learner/loss"] = loss.item()
             for key, value in row_stats.items():
                 stats[key] = stats.get(key, 0.0) + value

@@ -66,7 +66,7 @@ def tiny_cfg(make_cfg) -> JobConfig:
 @pytest.fixture(scope="session")
 def tiny_policy(tiny_cfg) -> str:
     """Path of the tiny model warm-started for the tests."""
-    from treegrpo_ray.cluster.train import resolve_model_path
+    from treegrpo_ray.learners.policies import resolve_model_path
 
     return resolve_model_path(tiny_cfg, progress=False)
 

@@ -522,6 +522,20 @@ class PPOConfig(_Section):
         "forwards run under bfloat16 autocast, log-probs and the loss are taken in float32; the "
         "GPU presets' choice (on a CPU without bfloat16 matrix units it is slower, not faster).",
     )
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto",
+        description="How a packed row's tree mask reaches attention. sdpa: a dense additive "
+        "mask (row length squared entries, so PyTorch's flash kernel cannot run); flex: "
+        "PyTorch's flex_attention with a block mask built from the tree (each token sees its "
+        "ancestors), blocks with nothing visible skipped, compiled on first use; auto: flex on "
+        "CUDA, sdpa elsewhere (on CPU the dense mask is the faster one).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead "
+        "of keeping them (transformers' gradient checkpointing): activation memory of one "
+        "layer instead of all, at the cost of a second forward; same loss and gradients.",
+    )
     onednn_linears: bool = Field(
         True,
         description="A float32 learner on CPU computes its frozen linear layers (a LoRA "

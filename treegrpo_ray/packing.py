@@ -11,15 +11,17 @@ budget is split by subtree into pieces that repeat, as loss-free context, the pr
 ancestor tokens their nodes need: only those repeated tokens are forwarded more than once.
 
 How the mask reaches the model (checked in transformers 5.20.2): ``create_causal_mask`` in
-``masking_utils`` returns a 4D ``attention_mask`` unchanged ("already prepared, or custom"), and
-Qwen2 / Llama hand it to the attention function as is. ``eager`` adds it to the scores, so it must
-be additive (a float 0 / large negative mask, in the model's dtype); ``sdpa`` passes it to
-``torch.nn.functional.scaled_dot_product_attention`` as ``attn_mask``, which takes a boolean or an
-additive mask and disables ``is_causal``. So ``PackedBatch.attention_bias`` (additive, finite
-minimum as transformers' own eager masks) is exact for both; explicit ``position_ids`` feed the
-rotary embeddings. Flash-attention and flex kernels do not take a dense 4D mask: load the model
-with ``attn_implementation`` ``sdpa`` (the default) or ``eager``. A 4D mask is also used as is by
-sliding-window layers, so models with sliding-window attention would lose their window.
+``masking_utils`` returns a 4D ``attention_mask`` (a tensor or a flex ``BlockMask``) unchanged
+("already prepared, or custom"), and Qwen2 / Llama hand it to the attention function as is.
+``eager`` adds it to the scores, so it must be additive (a float 0 / large negative mask, in the
+model's dtype); ``sdpa`` passes it to ``torch.nn.functional.scaled_dot_product_attention`` as
+``attn_mask``, which takes a boolean or an additive mask and disables ``is_causal``. So
+``PackedBatch.attention_bias`` (additive, finite minimum as transformers' own eager masks) is
+exact for both; explicit ``position_ids`` feed the rotary embeddings. ``tree_flex``
+(``treegrpo_ray.tree_attention``) takes ``PackedBatch.flex_block_mask`` instead: the same tree mask as a function of two token indices,
+never materialised (n² entries), whose blocks with no allowed pair are skipped. Flash-attention
+kernels take neither. A 4D mask is also used as is by sliding-window layers, so models with
+sliding-window attention would lose their window.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -35,6 +37,9 @@ from treegrpo_ray.advantage import RoutedAdvantages, route_to_nodes
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.modifiers import NodeModifiers
 from treegrpo_ray.tree import ROOT, Tree
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass
@@ -63,6 +68,10 @@ class PathBatch:
     def select(self, rows: torch.Tensor) -> PathBatch:
         """The sub-batch of the given row indices (all fields indexed alike)."""
         return PathBatch(**{name: value[rows] for name, value in vars(self).items()})
+
+    def to(self, device: torch.device | str) -> PathBatch:
+        """The same batch with every tensor on ``device``."""
+        return PathBatch(**{name: value.to(device) for name, value in vars(self).items()})
 
 
 def expand_paths(trees: list[Tree], pad_token_id: int) -> PathBatch:
@@ -124,9 +133,13 @@ class PackedBatch:
     input_ids: (R, T) long.
     position_ids: (R, T) long, the token's position along its own root-to-leaf path (0 on padding).
     token_mask: (R, T) long, 1 on real tokens, 0 on padding.
-    tree_mask: (R, T, T) bool, True where query token i may attend to key token j: j belongs to
-        i's tree and is in the prompt, in an ancestor node of i's node, or in i's node at or
-        before i. A padding token attends only to itself (no row of the mask is empty).
+    segment: (R, T) long, the token's segment in its row: a prompt, or a node of a tree (or of a
+        piece), numbered from 1 across the row; 0 on padding.
+    segment_visible: (R, S, S) bool, True where segment s may attend to segment s': s' is the
+        prompt of s's tree, an ancestor node of s, or s itself; all False for segment 0.
+    ``tree_mask`` (R, T, T), derived from the two: query token i may attend to key token j when
+    ``segment_visible[seg(i), seg(j)]`` and j <= i, or j == i (a padding token attends only to
+    itself, so no row of the mask is empty).
     prev_index: (R, T) long, see above; t itself where there is no predecessor (first prompt
         token, padding).
     loss_mask: (R, T) float, 1 on action tokens.
@@ -146,7 +159,8 @@ class PackedBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     token_mask: torch.Tensor
-    tree_mask: torch.Tensor
+    segment: torch.Tensor
+    segment_visible: torch.Tensor
     prev_index: torch.Tensor
     loss_mask: torch.Tensor
     behaviour_logprobs: torch.Tensor
@@ -186,13 +200,44 @@ class PackedBatch:
         """Real tokens of ``row``: they come first, padding after them."""
         return int(self.token_mask[row].sum())
 
+    @property
+    def tree_mask(self) -> torch.Tensor:
+        """(R, T, T) bool: the dense tree mask of every row (see the class docstring)."""
+        rows = torch.arange(self.num_rows, device=self.segment.device)[:, None, None]
+        seen = self.segment_visible[rows, self.segment[:, :, None], self.segment[:, None, :]]
+        itself = torch.eye(self.segment.shape[1], dtype=torch.bool, device=seen.device)
+        return seen.tril() | itself
+
     def attention_bias(self, row: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (1, 1, n, n) over the n real tokens of ``row``: 0 where ``tree_mask``
         allows attention, the dtype's lowest finite value elsewhere."""
         n = self.row_length(row)
-        allowed = self.tree_mask[row, None, None, :n, :n]
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        segment = self.segment[row, :n]
+        allowed = self.segment_visible[row, segment[:, None], segment[None, :]].tril()
+        bias = torch.zeros((1, 1, n, n), dtype=dtype, device=allowed.device)
         return bias.masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def flex_block_mask(self, row: int) -> BlockMask:
+        """``attention_bias`` of ``row`` as a flex-attention ``BlockMask`` (1, 1, n, n): the mask
+        is a function of (query, key) that reads two segment ids and one entry of
+        ``segment_visible``; its (n / 128)² block summary is all that is stored."""
+        from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        n = self.row_length(row)
+        # mask_mod is also called on the positions that pad n to a whole block: segment 0 there
+        padded = -(-n // BLOCK) * BLOCK
+        segment = torch.zeros(padded, dtype=torch.long, device=self.segment.device)
+        segment[:n] = self.segment[row, :n]
+        visible = self.segment_visible[row]
+
+        def tree_mask(batch, head, query, key):
+            return visible[segment[query], segment[key]] & (key <= query)
+
+        on_gpu = segment.device.type == "cuda"  # compiled there: no n² mask even for a moment
+        return create_block_mask(
+            tree_mask, None, None, n, n, device=segment.device, _compile=on_gpu
+        )
 
     def route_nodes(
         self,
@@ -412,12 +457,14 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
         node_offset.append(node_offset[-1] + len(tree.nodes))
     unique = sum(len(tree.prompt_ids) + sum(n.token_count for n in tree.nodes) for tree in trees)
     width = max(sum(len(laid_out[i][1].ids) for i in row) for row in rows)
+    segments = max(1 + sum(len(laid_out[i][1].visible) for i in row) for row in rows)
     shape = (len(rows), width)
     batch = PackedBatch(
         input_ids=torch.full(shape, pad_token_id, dtype=torch.long),
         position_ids=torch.zeros(shape, dtype=torch.long),
         token_mask=torch.zeros(shape, dtype=torch.long),
-        tree_mask=torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1),
+        segment=torch.zeros(shape, dtype=torch.long),
+        segment_visible=torch.zeros((len(rows), segments, segments), dtype=torch.bool),
         prev_index=torch.arange(width).repeat(len(rows), 1),
         loss_mask=torch.zeros(shape),
         behaviour_logprobs=torch.zeros(shape),
@@ -427,7 +474,7 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
         **_leaf_fields(trees),
     )
     for r, row in enumerate(rows):
-        start = 0
+        start, first_segment = 0, 1
         for item in row:
             i, tokens = laid_out[item]
             span = slice(start, start + len(tokens.ids))
@@ -435,14 +482,14 @@ def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) ->
             batch.input_ids[r, span] = torch.tensor(tokens.ids)
             batch.position_ids[r, span] = torch.tensor(tokens.positions)
             batch.token_mask[r, span] = 1
-            batch.tree_mask[r, span, span] = tokens.visible[
-                segment[:, None], segment[None, :]
-            ].tril()
+            own = slice(first_segment, first_segment + len(tokens.visible))
+            batch.segment[r, span] = segment + first_segment
+            batch.segment_visible[r, own, own] = tokens.visible
             batch.prev_index[r, span] = torch.tensor(tokens.prev) + start
             batch.loss_mask[r, span] = torch.tensor(tokens.is_action)
             batch.behaviour_logprobs[r, span] = torch.tensor(tokens.logprobs)
             batch.token_node[r, span] = torch.where(node >= 0, node + node_offset[i], -1)
-            start = span.stop
+            start, first_segment = span.stop, own.stop
     return batch
 
 

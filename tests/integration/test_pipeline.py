@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
-from treegrpo_ray.cluster.train import FIT_THREAD, resolve_model_path, resume_step, train
+from treegrpo_ray.cluster.train import FIT_THREAD, resume_step, train
 from treegrpo_ray.config import resume_config
+from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.saved_trees import read_saved_trees
 

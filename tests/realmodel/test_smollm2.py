@@ -63,7 +63,7 @@ def smollm2_cfg(make_cfg):
 @pytest.fixture(scope="module")
 def policy(smollm2_cfg, base_dir) -> str:
     """The protocol warm start of the test settings (cached in the session's directory)."""
-    from treegrpo_ray.cluster.train import resolve_model_path
+    from treegrpo_ray.learners.policies import resolve_model_path
 
     return resolve_model_path(smollm2_cfg, progress=False)
 

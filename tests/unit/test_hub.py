@@ -8,9 +8,9 @@ import pytest
 import torch
 from huggingface_hub import constants
 
-from treegrpo_ray.cluster.train import resolve_model_path
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.hub import is_hub_id, resolve_policy_path
+from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import check_policy_dir, load_policy, load_tokenizer
 
 

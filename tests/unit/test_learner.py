@@ -261,3 +261,39 @@ def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, tiny_policy):
             assert tensor.dtype == getattr(torch, dtype) and not tensor.requires_grad
             assert torch.equal(tensor, weights[name].to(tensor.dtype))
             assert tensor.data_ptr() != weights[name].data_ptr()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_recomputes_layers_and_keeps_loss_and_gradients(
+    tiny_cfg, tiny_policy, lora
+):
+    from treegrpo_ray.config import LoraSettings
+
+    trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    settings = LoraSettings(enabled=lora, rank=8)
+    results = []
+    for checkpointing in (False, True):
+        ppo = tiny_cfg.ppo.model_copy(update={"activation_checkpointing": checkpointing})
+        learner = Learner(tiny_policy, ppo, temperature=1.0, lora=settings)
+        layer = learner.model.get_decoder().layers[0]
+        calls = []
+        layer.register_forward_pre_hook(
+            lambda *_, calls=calls: calls.append(torch.is_grad_enabled())
+        )
+        metrics = learner.update(trees)
+        grads = {k: p.grad for k, p in learner.model.named_parameters() if p.requires_grad}
+        results.append((metrics, grads, calls.count(True)))
+    (plain, plain_grads, plain_calls), (saved, saved_grads, saved_calls) = results
+    # the backward started the layer's forward once more per row (recomputation stops early)
+    assert saved_calls == 2 * plain_calls > 0
+    assert saved["learner/loss"] == pytest.approx(plain["learner/loss"], abs=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(saved_grads[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_flex_attention_on_a_cpu_learner_is_refused_with_the_fix(tiny_cfg, tiny_policy):
+    from treegrpo_ray.errors import UserInputError
+
+    ppo = tiny_cfg.ppo.model_copy(update={"attention": "flex"})
+    with pytest.raises(UserInputError, match="ppo.attention=flex.*CUDA.*auto or sdpa"):
+        Learner(tiny_policy, ppo, temperature=1.0, device="cpu")

@@ -12,6 +12,7 @@ from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees
 from treegrpo_ray.tree import ROOT, Tree
+from treegrpo_ray.tree_attention import TREE_FLEX
 
 VOCAB = 40
 COMMON = dict(policy_version=0, role="search", tool_call=False, finish_reason="stop")
@@ -240,7 +241,7 @@ def test_split_trees_train_each_node_once_and_trees_that_fit_stay_whole(seed):
         assert torch.equal(batch.tree_mask[row, span, span], alone.tree_mask[0])
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", TREE_FLEX])
 @pytest.mark.parametrize(
     "seed,depth,branches,budget",
     # budget None: the longest path, which splits trees
@@ -253,7 +254,9 @@ def test_packed_logprobs_equal_path_by_path_logprobs(attention, seed, depth, bra
     packed = pack_trees(trees, micro_batch_tokens=budget or _longest_path(trees), pad_token_id=0)
     assert (packed.split_trees > 0) == (budget is None)
     with torch.no_grad():
-        path_lp, path_ent = token_logprobs(model, paths.input_ids, paths.attention_mask, 0.7)
+        # the reference: one padded row per path, causal attention through sdpa
+        reference = _model(seed, "sdpa").eval()
+        path_lp, path_ent = token_logprobs(reference, paths.input_ids, paths.attention_mask, 0.7)
         lp, ent = _all_rows(lambda r: packed_logprobs(model, packed, r, 0.7), packed)
     mask = paths.loss_mask.bool()
     positions = _packed_positions(trees, packed)
@@ -423,3 +426,35 @@ def test_select_keeps_rows_aligned():
     sub = batch.select(torch.tensor([1]))
     assert sub.input_ids.tolist() == [[1, 2, 7, 8, 0, 0]]
     assert math.isclose(float(sub.rewards[0]), 0.2, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 64), (1, 200), (4, None)])
+def test_the_flex_block_mask_is_the_dense_tree_mask(seed, budget):
+    """The block mask's function of (query, key) allows exactly the pairs the dense mask does,
+    on every row, across trees packed together and across split trees' pieces."""
+    trees = _forest(seed, trees=4, depth=3, branches=3)
+    batch = pack_trees(trees, budget or _longest_path(trees), pad_token_id=0)
+    for row in range(batch.num_rows):
+        n = batch.row_length(row)
+        block_mask = batch.flex_block_mask(row)
+        assert block_mask.shape == (1, 1, n, n)
+        query, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = block_mask.mask_mod(0, 0, query, key)
+        assert torch.equal(allowed, batch.tree_mask[row, :n, :n])
+        assert torch.equal(batch.attention_bias(row, torch.float32)[0, 0] == 0, allowed)
+
+
+def test_flex_gives_the_dense_logprobs_with_three_query_heads_per_key_head():
+    """Query heads per key head not a power of two (Qwen2.5-0.5B has 7): keys are repeated."""
+    trees = _forest(6, trees=3, depth=3, branches=2)
+    batch = pack_trees(trees, 256, pad_token_id=0)
+    shape = TinyModelConfig(
+        hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, intermediate_size=64
+    )
+    logprobs = {}
+    for attention in ("sdpa", TREE_FLEX):
+        model = build_tiny_model(shape, vocab_size=VOCAB, seed=6).eval()
+        model.set_attn_implementation(attention)
+        with torch.no_grad():
+            logprobs[attention] = _all_rows(lambda r: packed_logprobs(model, batch, r), batch)[0]
+    torch.testing.assert_close(logprobs[TREE_FLEX], logprobs["sdpa"], atol=1e-5, rtol=0)
