@@ -17,10 +17,10 @@ its paper-mode PPO loss (``packed_step``).
 - ``packed_vs_paths``: ``learner_packing``'s packed step against its path-expanded step on the
   same trees and model (CUDA: flex for the packed rows, sdpa for the padded paths), interleaved;
   the speedup against its limit, the ratio of the tokens the two arms forward.
-- ``plan_vs_peak`` (CUDA): ``Learner.update`` of the 0.5B model (full fine-tuning,
-  bfloat16-mixed, flex), with and without activation checkpointing: the peak CUDA memory against
-  ``memory_plan.learner_plan``'s terms that live on the GPU (weights, trained state, reference,
-  activations of one row; not the CPU runtime or oneDNN copies).
+- ``plan_vs_peak`` and ``plan_vs_peak_1b`` (CUDA): ``Learner.update``'s peak CUDA memory, in
+  steady state, against ``memory_plan.gpu_learner_plan``, over full / LoRA x activation
+  checkpointing at 8k-token rows, bfloat16-mixed, for the 0.5B shape (which the plan's constants
+  were fitted on) and Llama-3.2-1B's (which they were not).
 
     python -m benchmarks.device_check [--out DIR]
 """
@@ -65,13 +65,22 @@ HALF_B = TinyModelConfig(
 HALF_B_VOCAB = 151936
 GPU_SIZES = (4096, 16384)
 CPU_SIZES = (1024, 2048)
+# the GPU presets' precision; the float32 and 2048-token cases of the first run agreed as well
 PLAN_GRID = [
-    (precision, lora, checkpointing, tokens)
-    for precision in ("bfloat16-mixed", "float32")
+    ("bfloat16-mixed", lora, checkpointing, 8192)
     for lora in (False, True)
     for checkpointing in (False, True)
-    for tokens in (2048, 8192)
 ]
+# a second shape, Llama-3.2-1B's (1.24B parameters), that the plan's constants were not fitted on
+ONE_B = TinyModelConfig(
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=8192,
+    max_positions=32768,
+)
+ONE_B_VOCAB = 128256
 
 
 def _sync(device: torch.device) -> None:
@@ -249,55 +258,63 @@ def packed_vs_paths(model, device: torch.device, budget: int, reps: int) -> dict
     }
 
 
-def plan_vs_peak(model, device: torch.device) -> dict:
-    """Peak CUDA memory of ``Learner.update`` against the plan's GPU-side terms, over the grid
-    ``PLAN_GRID`` (precision x LoRA x activation checkpointing x row tokens): one update each on
-    trees of twice the row budget (two rows), from a fresh learner."""
+def largest_row(trees: list, budget: int) -> tuple[int, float]:
+    """Tokens of the largest packed row of ``trees`` and its share of action tokens."""
+    batch = pack_trees(trees, budget, pad_token_id=0)
+    row = max(range(batch.num_rows), key=batch.row_length)
+    return batch.row_length(row), float(batch.loss_mask[row].sum()) / batch.row_length(row)
+
+
+def plan_vs_peak(model, device: torch.device, grid: list[tuple]) -> dict:
+    """Peak CUDA memory of ``Learner.update`` against ``memory_plan.gpu_learner_plan``, over
+    ``grid`` (precision, LoRA, activation checkpointing, row budget): two updates from a fresh
+    learner on trees of about four rows; the second is the steady state the plan describes
+    (Adam's state exists while the rows run their backward). The plan is taken at the largest
+    row's real length and action share (the formula's accuracy) and at the budget with the
+    plan's default share (what ``treegrpo plan`` would say)."""
     from treegrpo_ray.config import load_config
     from treegrpo_ray.learners.learner import Learner
-    from treegrpo_ray.memory_plan import ModelSizes, learner_plan
+    from treegrpo_ray.memory_plan import ModelSizes, gpu_learner_plan
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         build_word_tokenizer([f"w{i}" for i in range(VOCAB - 3)], folder)
-        for precision, lora, checkpointing, tokens in PLAN_GRID:
-            cfg = load_config(
-                "tiny-multihop",
-                [
-                    f"ppo.micro_batch_tokens={tokens}",
-                    f"ppo.precision={precision}",
-                    f"ppo.activation_checkpointing={checkpointing}",
-                    f"model.lora.enabled={lora}",
-                ],
-            )
-            trees = synthetic_trees(SHAPES["standard"], prompts=2 * tokens // 330, seed=2)
-            plan = learner_plan(cfg, ModelSizes.of(model.config, cfg.model.lora), 1)
-            skip = ("runtime", "oneDNN")
-            on_gpu = {t.what: t.nbytes for t in plan.terms if not t.what.startswith(skip)}
+        for precision, lora, checkpointing, budget in grid:
+            settings = [
+                f"ppo.precision={precision}",
+                f"ppo.activation_checkpointing={checkpointing}",
+                f"model.lora.enabled={lora}",
+            ]
+            cfg = load_config("tiny-multihop", [*settings, f"ppo.micro_batch_tokens={budget}"])
+            trees = synthetic_trees(SHAPES["standard"], prompts=4 * budget // 650, seed=2)
+            tokens, share = largest_row(trees, budget)
+            sizes = ModelSizes.of(model.config, cfg.model.lora)
+            at_row = load_config("tiny-multihop", [*settings, f"ppo.micro_batch_tokens={tokens}"])
+            plan = gpu_learner_plan(at_row, sizes, action_share=share)
             torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated()  # this benchmark's own copy of the model
             learner = Learner.from_config(cfg, folder, device=device)
-            static = torch.cuda.memory_allocated() - before
-            torch.cuda.reset_peak_memory_stats()
-            metrics = learner.update(trees)
-            peak = torch.cuda.max_memory_allocated() - before
-            after = torch.cuda.memory_allocated() - before
+            peaks = []
+            for _ in range(2):
+                torch.cuda.reset_peak_memory_stats()
+                metrics = learner.update(trees)
+                peaks.append(torch.cuda.max_memory_allocated() - before)
             del learner
             rows.append(
                 {
                     "precision": precision,
                     "lora": lora,
                     "checkpointing": checkpointing,
-                    "micro_batch_tokens": tokens,
-                    "tokens": metrics["learner/tokens"],
-                    "tokens_forwarded": metrics["learner/tokens_forwarded"],
-                    "static_bytes": static,
-                    "after_update_bytes": after,
-                    "peak_bytes": peak,
-                    "plan_bytes": sum(on_gpu.values()),
-                    "plan_terms": on_gpu,
-                    "plan_over_peak": sum(on_gpu.values()) / peak,
+                    "micro_batch_tokens": budget,
+                    "largest_row_tokens": tokens,
+                    "action_share": share,
+                    "first_update_peak_bytes": peaks[0],
+                    "peak_bytes": peaks[1],
+                    "plan_bytes": plan.nbytes,
+                    "plan_terms": {t.what: t.nbytes for t in plan.terms},
+                    "plan_over_peak": plan.nbytes / peaks[1],
+                    "plan_at_budget_bytes": gpu_learner_plan(cfg, sizes).nbytes,
                     "loss": metrics["learner/loss"],
                 }
             )
@@ -307,7 +324,16 @@ def plan_vs_peak(model, device: torch.device) -> dict:
 
 def half_b_model(device: torch.device):
     """Qwen2.5-0.5B's shape, random weights, float32, training mode."""
-    model = build_tiny_model(HALF_B, HALF_B_VOCAB, seed=0).to(device)
+    return _model(HALF_B, HALF_B_VOCAB, device)
+
+
+def one_b_model(device: torch.device):
+    """Llama-3.2-1B's shape (as a Qwen2), random weights, float32, training mode."""
+    return _model(ONE_B, ONE_B_VOCAB, device)
+
+
+def _model(shape: TinyModelConfig, vocab: int, device: torch.device):
+    model = build_tiny_model(shape, vocab, seed=0).to(device)
     model.config.use_cache = False
     return model.train()
 
@@ -323,6 +349,7 @@ def sections(cuda: bool) -> list[tuple[str, Callable[[], object]]]:
             ("packed_vs_paths", lambda: packed_vs_paths(tiny, cpu, budget=1024, reps=3)),
             ("flex_vs_dense_cuda", lambda: skipped),
             ("plan_vs_peak", lambda: skipped),
+            ("plan_vs_peak_1b", lambda: skipped),
         ]
     gpu = torch.device("cuda")
     model = half_b_model(gpu)
@@ -333,7 +360,8 @@ def sections(cuda: bool) -> list[tuple[str, Callable[[], object]]]:
             lambda: {str(s): flex_vs_dense_cuda(model, s, gpu) for s in GPU_SIZES},
         ),
         ("packed_vs_paths", lambda: packed_vs_paths(model, gpu, budget=4096, reps=3)),
-        ("plan_vs_peak", lambda: plan_vs_peak(model, gpu)),
+        ("plan_vs_peak", lambda: plan_vs_peak(model, gpu, PLAN_GRID)),
+        ("plan_vs_peak_1b", lambda: plan_vs_peak(one_b_model(gpu), gpu, PLAN_GRID)),
     ]
 
 

@@ -171,6 +171,73 @@ def learner_plan(cfg: JobConfig, sizes: ModelSizes, ranks_on_node: int) -> Proce
     return ProcessPlan("learner rank", ranks_on_node, tuple(terms))
 
 
+# A learner rank on a GPU, fitted to one H200's peak allocated memory (device check of 2026-12-04,
+# benchmarks/results/device_check/plan_grid.json) from what each tensor is:
+# Bytes one token keeps for the backward, per decoder layer: float32, ~10 hidden-wide tensors
+# (norm inputs and outputs, q / k / v and their rotated copies, attention output, projection
+# input, residual) and ~4 MLP-wide (gate, up, activation, product), 4 bytes each; under bfloat16
+# autocast the ~4 on the float32 residual stream stay 4 bytes and the matmul outputs (~6 hidden,
+# ~4 MLP) take 2.
+GPU_LAYER_HIDDEN_BYTES = {"float32": 40, "bfloat16-mixed": 28}
+GPU_LAYER_MLP_BYTES = {"float32": 16, "bfloat16-mixed": 8}
+# Bytes per action token and vocabulary entry at the LM head, computed only where an action token
+# is predicted: the logits (2 or 4 bytes), their float32 copy gathered per action token, the
+# log-softmax and the probabilities kept for the backward, and transients.
+GPU_VOCAB_BYTES = {"float32": 22, "bfloat16-mixed": 20}
+# The share of a row's tokens that are action tokens (the rest: prompts and observations); what
+# the LM head's term scales with. Search-R1 style trees run at ~0.1-0.3 (long retrieved passages).
+ACTION_SHARE = 0.3
+
+
+def gpu_activation_bytes(
+    sizes: ModelSizes, tokens: int, precision: str, checkpointing: bool, action_share: float
+) -> int:
+    """What one packed row of ``tokens`` holds at its peak on a GPU, with the flex block mask (no
+    n² mask): the layers' saved tensors (with ``checkpointing``, each layer's float32 input
+    only: the one layer recomputed at a time is smaller than the LM head's part), the LM head's
+    vocabulary-wide tensors at the action tokens, and under bfloat16 autocast the bfloat16 copies
+    of the linear weights the backward needs (all of them; with checkpointing the LM head's)."""
+    vocab = int(tokens * action_share) * sizes.vocab * GPU_VOCAB_BYTES[precision]
+    mixed = precision == "bfloat16-mixed"
+    if checkpointing:
+        head_copy = 2 * sizes.vocab * sizes.hidden if mixed else 0
+        return tokens * sizes.layers * sizes.hidden * 4 + vocab + head_copy
+    per_layer = (
+        GPU_LAYER_HIDDEN_BYTES[precision] * sizes.hidden
+        + GPU_LAYER_MLP_BYTES[precision] * sizes.intermediate
+    )
+    weight_copies = 2 * sizes.linear_params if mixed else 0
+    return tokens * sizes.layers * per_layer + vocab + weight_copies
+
+
+def gpu_learner_plan(
+    cfg: JobConfig, sizes: ModelSizes, action_share: float = ACTION_SHARE
+) -> ProcessPlan:
+    """A learner rank on one GPU, in steady state (Adam's state already allocated while a row
+    runs its backward): weights, reference (full fine-tuning), gradients and Adam's moments of the
+    trained parameters (12 bytes each), and the larger of a row's activations and the optimizer
+    step's temporaries (4 bytes per trained parameter, torch's foreach Adam)."""
+    ppo, lora = cfg.ppo, cfg.model.lora.enabled
+    weights = sizes.params * sizes.param_bytes
+    trained = sizes.lora_params if lora else sizes.params
+    terms = [
+        Term("weights", weights),
+        Term("gradients and Adam state of the trained parameters", 12 * trained, "model.lora"),
+    ]
+    if not lora:
+        terms.append(Term("reference copy", weights, "model.lora"))
+    tokens = ppo.micro_batch_tokens
+    activations = gpu_activation_bytes(
+        sizes, tokens, ppo.precision, ppo.activation_checkpointing, action_share
+    )
+    settings = "ppo.micro_batch_tokens, ppo.activation_checkpointing"
+    terms.append(Term(f"activations of a {tokens}-token row", activations, settings))
+    step = 4 * trained
+    if step > activations:
+        terms.append(Term("optimizer step temporaries beyond the activations", step - activations))
+    return ProcessPlan("learner rank (GPU)", 1, tuple(terms))
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """Every process of a job on one node, against the memory at which Ray starts killing."""

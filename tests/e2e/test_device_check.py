@@ -27,6 +27,6 @@ def test_the_device_check_runs_without_cuda_and_says_what_it_skipped(tmp_path):
         assert row["tokens"] > 0 and row["logprob_max_abs_diff"] <= 1e-5
     packed = report["packed_vs_paths"]
     assert packed["packed_forwarded"] < packed["path_forwarded"]
-    for section in ("flex_vs_dense_cuda", "plan_vs_peak"):
+    for section in ("flex_vs_dense_cuda", "plan_vs_peak", "plan_vs_peak_1b"):
         assert "no CUDA device" in report[section]["skipped"]
     assert "skipped" in (tmp_path / "gpu-tests.log").read_text()
