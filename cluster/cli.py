@@ -23,7 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("train", "run a Tree-GRPO training job (a local Ray instance unless cluster.address)"),
         ("warmstart", "build and warm-start the tiny model of a preset (cached)"),
-        ("plan", "the CPU memory each process of a job will hold, and whether it fits this node"),
+        (
+            "plan",
+            "what a job's processes will hold, and whether it fits: CPU memory on this node, or "
+            "with GPUs where each worker goes and what each GPU holds",
+        ),
     ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument(
@@ -50,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="continue the run in RUN_DIR from its newest checkpoint (CONFIG optional: the run's "
         "saved config is used; --set train.steps=N extends it)",
+    )
+    plan = sub.choices["plan"]
+    plan.add_argument("--nodes", type=int, help="GPU nodes of the cluster to plan for")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs on each node")
+    plan.add_argument(
+        "--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of one GPU"
     )
     sub.add_parser("presets", help="list the presets shipped with the package")
     checkpoints = sub.add_parser(
@@ -114,9 +124,14 @@ def _run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.command == "plan":
-        from treegrpo_ray.cluster.plan import print_plan
+        from treegrpo_ray.cluster.plan import GpuCluster, print_plan
 
-        return print_plan(cfg)
+        gpus = None
+        if args.nodes or args.gpus_per_node:
+            if not (args.nodes and args.gpus_per_node):
+                raise UserInputError("give --nodes and --gpus-per-node together, e.g. 2 and 8")
+            gpus = GpuCluster(args.nodes, args.gpus_per_node, args.gpu_memory)
+        return print_plan(cfg, gpus)
     if args.command == "warmstart":
         from treegrpo_ray.learners.policies import resolve_model_path
 

@@ -1,25 +1,45 @@
-"""``treegrpo plan``: a job's CPU memory per process and per node, before it starts; and the
-check ``treegrpo train`` makes with it before a local run starts Ray."""
+"""``treegrpo plan``: a job's CPU memory per process and per node, and with GPUs where its GPU
+workers go and what each GPU holds, before it starts; and the check ``treegrpo train`` makes
+with the CPU plan before a local run starts Ray."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from transformers import AutoConfig
 
 from treegrpo_ray.config import JobConfig, node_memory_bytes
 from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.gpu_plan import gpu_plan
 from treegrpo_ray.hub import resolve_policy_path
-from treegrpo_ray.memory_plan import ModelSizes, NodePlan, local_node_plan
+from treegrpo_ray.memory_plan import ACTION_SHARE, GB, ModelSizes, NodePlan, local_node_plan
 from treegrpo_ray.pretrained import prepare_model
+
+ARCHITECTURES = Path(str(resources.files("treegrpo_ray").joinpath("presets", "architectures")))
 
 
 def model_sizes(cfg: JobConfig, model_path: str | Path | None = None) -> ModelSizes:
     """The sizes of the policy at ``model_path`` (default ``architecture_path(cfg)``) with the
     job's LoRA settings."""
     path = architecture_path(cfg) if model_path is None else model_path
-    config = AutoConfig.from_pretrained(str(resolve_policy_path(path)))
+    config = AutoConfig.from_pretrained(str(_config_dir(path)))
     return ModelSizes.of(config, cfg.model.lora)
+
+
+def _config_dir(path: str | Path) -> Path:
+    """Where ``path``'s config.json is: the policy itself, or, for a GPU preset's model that is
+    not on this machine, the config.json shipped for its architecture (planning needs no
+    weights)."""
+    try:
+        return resolve_policy_path(path)
+    except UserInputError:
+        packaged = ARCHITECTURES / Path(str(path)).name
+        if not (packaged / "config.json").is_file():
+            raise
+        print(f"(model {path} is not on this machine: its shape from {packaged}/config.json)")
+        return packaged
 
 
 def node_plan(cfg: JobConfig, model_path: str | Path) -> NodePlan:
@@ -39,15 +59,45 @@ def architecture_path(cfg: JobConfig) -> str | Path:
     return resolve_model_path(cfg)
 
 
-def print_plan(cfg: JobConfig) -> int:
-    """``treegrpo plan``: the table; exit code 0 when the job fits this node, 1 when not."""
+def print_plan(cfg: JobConfig, gpus: GpuCluster | None = None) -> int:
+    """``treegrpo plan``: a job that uses GPUs (or given ``gpus``) gets the GPU plan, any other
+    the CPU table of this node; exit code 0 when it fits, 1 when not."""
+    uses_gpus = cfg.cluster.learner_gpus > 0 or cfg.engine.rollout_gpus() > 0
+    if uses_gpus or gpus is not None:
+        return _print_gpu_plan(cfg, gpus or GpuCluster.for_job(cfg))
     plan = node_plan(cfg, architecture_path(cfg))
     print(f"treegrpo plan: {cfg.name}, CPU memory with every worker on this node")
     print(plan.render())
     if cfg.engine.kind != "hf":
         print("(vLLM's rollout workers and their KV pool are not counted)")
-    if cfg.cluster.learner_gpus > 0:
-        print("(learner ranks on GPUs: their CPU memory is counted, not the GPUs')")
+    return 0 if plan.fits() else 1
+
+
+@dataclass(frozen=True)
+class GpuCluster:
+    """The GPU nodes a plan is made for (``--nodes``, ``--gpus-per-node``, ``--gpu-memory``)."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_gb: float = 80.0
+
+    @classmethod
+    def for_job(cls, cfg: JobConfig) -> GpuCluster:
+        """One node with as many GPUs as the job asks for, 80 GB each (an H100 or A100)."""
+        cluster = cfg.cluster
+        need = cluster.rollout_workers * cfg.engine.rollout_gpus()
+        need += cluster.learner_workers * cluster.learner_gpus
+        return cls(nodes=1, gpus_per_node=max(int(need), 1))
+
+
+def _print_gpu_plan(cfg: JobConfig, gpus: GpuCluster) -> int:
+    plan = gpu_plan(cfg, model_sizes(cfg), gpus.nodes, gpus.gpus_per_node, int(gpus.gpu_gb * GB))
+    print(f"treegrpo plan: {cfg.name}")
+    print(plan.render())
+    print(
+        f"(the learner's LM head term assumes {ACTION_SHARE:.0%} of a row's tokens are action "
+        "tokens; CPU memory of the processes is not counted here)"
+    )
     return 0 if plan.fits() else 1
 
 

@@ -456,5 +456,7 @@ def test_flex_gives_the_dense_logprobs_with_three_query_heads_per_key_head():
         model = build_tiny_model(shape, vocab_size=VOCAB, seed=6).eval()
         model.set_attn_implementation(attention)
         with torch.no_grad():
-            logprobs[attention] = _all_rows(lambda r: packed_logprobs(model, batch, r), batch)[0]
+            logprobs[attention] = _all_rows(lambda r, m=model: packed_logprobs(m, batch, r), batch)[
+                0
+            ]
     torch.testing.assert_close(logprobs[TREE_FLEX], logprobs["sdpa"], atol=1e-5, rtol=0)
