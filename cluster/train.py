@@ -31,6 +31,7 @@ from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.cluster.plan import check_memory
 from treegrpo_ray.config import JobConfig, installed_vllm_build, save_run_config
 from treegrpo_ray.errors import TrainingStopped, UserInputError
+from treegrpo_ray.gpu_plan import unplaceable
 from treegrpo_ray.learners.checkpoint import (
     LATEST,
     intact_checkpoint,
@@ -107,7 +108,9 @@ def required_resources(cfg: JobConfig) -> dict[str, float]:
 
 
 def check_resources(cfg: JobConfig) -> None:
-    """Refuse a config that asks for more of a resource than the whole cluster has."""
+    """Refuse a config that asks for more of a resource than the whole cluster has, or whose GPU
+    workers (a TP group, a learner rank) need more GPUs on one node than any node has left:
+    Ray would wait for them forever."""
     have = ray.cluster_resources()
     for key, amount in required_resources(cfg).items():
         if amount > have.get(key, 0.0) + 1e-9:
@@ -116,6 +119,10 @@ def check_resources(cfg: JobConfig) -> None:
                 f"the Ray cluster has {have.get(key, 0.0):g}; lower cluster.rollout_workers / "
                 "learner_workers or their per-worker resources, or add nodes"
             )
+    node_gpus = [n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    why = unplaceable(cfg, node_gpus)
+    if why is not None:
+        raise UserInputError(why)
 
 
 def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:

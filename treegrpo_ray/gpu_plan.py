@@ -84,9 +84,10 @@ def _gpus(placed: Placed) -> str:
     return f"GPU {placed.first_gpu}" if placed.gpus == 1 else f"GPUs {placed.first_gpu}-{last}"
 
 
-def place(cfg: JobConfig, nodes: int, gpus_per_node: int) -> tuple[list[Placed], list[str]]:
-    """First fit of the rollout engines' TP groups (each on one node), then the learner ranks."""
-    free = [float(gpus_per_node)] * nodes
+def place(cfg: JobConfig, node_gpus: list[float]) -> tuple[list[Placed], list[str]]:
+    """First fit of the rollout engines' TP groups (each on one node), then the learner ranks,
+    on nodes with ``node_gpus`` GPUs each."""
+    free = list(node_gpus)
     requests: list[tuple[str, float]] = [
         (f"rollout engine {i} (TP {cfg.engine.rollout_gpus()})", cfg.engine.rollout_gpus())
         for i in range(cfg.cluster.rollout_workers)
@@ -97,13 +98,27 @@ def place(cfg: JobConfig, nodes: int, gpus_per_node: int) -> tuple[list[Placed],
         requests += [(f"learner rank {i}", gpus) for i in range(cfg.cluster.learner_workers)]
     placed, unplaced = [], []
     for what, count in requests:
-        node = next((n for n in range(nodes) if free[n] >= count), None)
+        node = next((n for n in range(len(free)) if free[n] >= count), None)
         if node is None:
             unplaced.append(f"{what}: needs {count:g} GPU(s) on one node, no node has them left")
             continue
-        placed.append(Placed(what, node, int(gpus_per_node - free[node]), count))
+        placed.append(Placed(what, node, int(node_gpus[node] - free[node]), count))
         free[node] -= count
     return placed, unplaced
+
+
+def unplaceable(cfg: JobConfig, node_gpus: list[float]) -> str | None:
+    """Why the job's GPU workers cannot all be placed on nodes of ``node_gpus`` GPUs (one line,
+    with what to change), or None when they can."""
+    _, unplaced = place(cfg, node_gpus)
+    if not unplaced:
+        return None
+    nodes = ", ".join(f"{gpus:g}" for gpus in node_gpus) or "none"
+    return (
+        f"the job cannot be placed: {unplaced[0]} (this cluster's nodes have {nodes} GPUs); "
+        "lower engine.vllm.tensor_parallel_size, cluster.learner_gpus or the worker counts, "
+        "or add a node with more GPUs (`treegrpo plan CONFIG --nodes N --gpus-per-node G`)"
+    )
 
 
 def engine_plan(cfg: JobConfig, sizes: ModelSizes, gpu_bytes: int) -> ProcessPlan | None:
@@ -151,7 +166,7 @@ def learner_advice(cfg: JobConfig) -> list[str]:
 def gpu_plan(
     cfg: JobConfig, sizes: ModelSizes, nodes: int, gpus_per_node: int, gpu_bytes: int
 ) -> GpuPlan:
-    placed, unplaced = place(cfg, nodes, gpus_per_node)
+    placed, unplaced = place(cfg, [gpus_per_node] * nodes)
     learner = gpu_learner_plan(cfg, sizes) if cfg.cluster.learner_gpus > 0 else None
     engine = engine_plan(cfg, sizes, gpu_bytes)
     advice: list[str] = []

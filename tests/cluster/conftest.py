@@ -31,6 +31,9 @@ import requests
 from treegrpo_ray.cluster.local_ray import WORKER_NICENESS_ENV
 
 NODE_RESOURCES = ({"learner_node": 1}, {"rollout_node": 1})  # head, second node
+# GPUs each node declares without having them (Ray accounts them; nothing here asks for CUDA):
+# what placement tests need of a GPU cluster
+FAKE_GPUS_PER_NODE = 2
 START_TIMEOUT_S = 180
 
 
@@ -158,10 +161,12 @@ def start_cluster(
         head += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1"]
         head += ["--dashboard-port", str(dashboard_port)]
         head += ["--resources", json.dumps(NODE_RESOURCES[0])]
+        head += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]
         processes.append(_ray_start(head, env, root / "head.log"))
         gcs_address = (root / "head" / "ray_current_cluster").read_text().strip()
         node = ["--address", gcs_address, "--temp-dir", str(root / "node1")]
         node += ["--resources", json.dumps(NODE_RESOURCES[1])]
+        node += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]
         processes.append(_ray_start(node, env, root / "node1.log"))
         names = [name for resources in NODE_RESOURCES for name in resources]
         nodes = _alive_nodes(url, headers)

@@ -291,3 +291,26 @@ def test_a_config_larger_than_the_cluster_is_refused_before_anything_starts(
     result = _cli_process(ray_cluster.client_env(), *args)
     _assert_one_line_error(result, "asks for 5 CPU", "the Ray cluster has 2", "add nodes")
     assert not (tmp_path / "tiny-multihop").exists()
+
+
+def test_a_learner_rank_needing_more_gpus_than_any_node_has_is_refused_with_the_arithmetic(
+    ray_cluster, tiny_cfg, tiny_policy, tmp_path
+):
+    """Each node declares 2 GPUs (4 in all): 3 for one learner rank pass the total but no node
+    holds them, and Ray would wait for them forever."""
+    sets = [
+        "cluster.learner_gpus=3",
+        f"cluster.address={ray_cluster.gcs_address}",
+        f"train.output_dir={tmp_path}",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+    ]
+    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
+    result = _cli_process(ray_cluster.client_env(), *args)
+    _assert_one_line_error(
+        result,
+        "cannot be placed: learner rank 0: needs 3 GPU(s) on one node",
+        "nodes have 2, 2 GPUs",
+        "cluster.learner_gpus",
+    )
+    assert not (tmp_path / "tiny-multihop").exists()

@@ -72,7 +72,7 @@ def _vllm(tp: int, workers: int = 1, learners: int = 1) -> JobConfig:
 
 
 def test_tensor_parallel_groups_stay_on_one_node_then_learners_fill_in():
-    placed, unplaced = place(_vllm(tp=2, workers=3, learners=2), nodes=2, gpus_per_node=4)
+    placed, unplaced = place(_vllm(tp=2, workers=3, learners=2), [4, 4])
     assert [(p.what, p.node, p.first_gpu, p.gpus) for p in placed] == [
         ("rollout engine 0 (TP 2)", 0, 0, 2),
         ("rollout engine 1 (TP 2)", 0, 2, 2),
@@ -82,7 +82,7 @@ def test_tensor_parallel_groups_stay_on_one_node_then_learners_fill_in():
     ]
     assert unplaced == []
     # 3 free GPUs on each of two nodes hold no TP-4 group
-    _, unplaced = place(_vllm(tp=4), nodes=2, gpus_per_node=3)
+    _, unplaced = place(_vllm(tp=4), [3, 3])
     assert unplaced == [
         "rollout engine 0 (TP 4): needs 4 GPU(s) on one node, no node has them left"
     ]
