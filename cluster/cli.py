@@ -137,14 +137,15 @@ def _run(args: argparse.Namespace) -> int:
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0
-    from treegrpo_ray.cluster.train import kept, train
+    from treegrpo_ray.cluster.train import train
+    from treegrpo_ray.learners.checkpoint import resume_hint
 
     try:
         summary = train(
             cfg, progress=not args.quiet, overwrite=args.overwrite, resume=resume is not None
         )
     except KeyboardInterrupt:  # its Ray workers are shut down; say what was kept
-        print(f"treegrpo: interrupted; {kept(cfg)}", file=sys.stderr)
+        print(f"treegrpo: interrupted; {resume_hint(cfg.run_dir)}", file=sys.stderr)
         return INTERRUPTED
     print(summary["line"])
     return 0

@@ -34,9 +34,10 @@ from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.gpu_plan import unplaceable
 from treegrpo_ray.learners.checkpoint import (
     LATEST,
+    checkpoint_version,
     intact_checkpoint,
-    latest_checkpoint,
     point_latest,
+    resume_hint,
 )
 from treegrpo_ray.learners.learner import train_loop_per_worker
 from treegrpo_ray.learners.policies import resolve_model_path
@@ -194,22 +195,6 @@ def _claim_run_dir(run_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(run_dir)
 
 
-def checkpoint_step(cfg: JobConfig) -> int | None:
-    """The policy version of ``RUN/checkpoints/latest``; None when the run saved none yet."""
-    latest = latest_checkpoint(cfg.run_dir / "checkpoints")
-    if latest is None:
-        return None
-    return json.loads((latest / "trainer_state.json").read_text())["policy_version"]
-
-
-def kept(cfg: JobConfig) -> str:
-    """What a stopped run kept: the command that continues it, or that there is none yet."""
-    step = checkpoint_step(cfg)
-    if step is None:
-        return f"{cfg.run_dir} holds no checkpoint yet (train.checkpoint_every)"
-    return f"`treegrpo train --resume {cfg.run_dir}` continues from update {step}"
-
-
 def use_intact_checkpoint(cfg: JobConfig) -> None:
     """Before a resume starts anything: verify the checkpoint ``latest`` names against its
     manifest; a damaged one is skipped for the newest intact one (``latest`` is pointed there),
@@ -244,7 +229,7 @@ def resume_step(cfg: JobConfig) -> int:
     """The policy version a resumed run continues from: that of ``RUN/checkpoints/latest``,
     once verified (``use_intact_checkpoint``)."""
     use_intact_checkpoint(cfg)
-    step = checkpoint_step(cfg)
+    step = checkpoint_version(cfg.run_dir)
     if step is None:
         raise UserInputError(
             f"cannot resume {cfg.run_dir}: it holds no checkpoint yet (train.checkpoint_every "
@@ -333,7 +318,9 @@ def train(
         if "error" in outcome:
             line = memory_kill_line(str(outcome["error"]))
             if line is not None:
-                raise TrainingStopped(f"learner failed: {line}; {kept(cfg)}") from None
+                raise TrainingStopped(
+                    f"learner failed: {line}; {resume_hint(cfg.run_dir)}"
+                ) from None
             raise outcome["error"]
         failure = ray.get(controller.failure_reason.remote())
         if failure:

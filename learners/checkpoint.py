@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from treegrpo_ray.errors import TrainingStopped
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept on disk (the newest ones)
@@ -51,24 +54,54 @@ class LearnerState:
         return int(self.counters["policy_version"])
 
 
+class CheckpointNotWritten(TrainingStopped):
+    """A checkpoint could not be written (no space, no permission); what ``latest`` names is
+    untouched."""
+
+
 def save_checkpoint(state: LearnerState, root: Path, extra: dict[str, Any] | None = None) -> Path:
     """Write ``state`` (plus ``extra`` counters) as ``root/step-<version>``; point
-    ``root/latest`` at it."""
-    root.mkdir(parents=True, exist_ok=True)
+    ``root/latest`` at it. Raises CheckpointNotWritten (one line: the path, the reason, the
+    previous checkpoint and the resume command) when the disk refuses it; nothing of it is left."""
     final = root / f"step-{state.version:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        _write_state(state, tmp, extra or {})
-        write_manifest(tmp, state.version)
-        for path in [*tmp.iterdir(), tmp]:
-            _flush(path)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+        try:
+            _write_state(state, tmp, extra or {})
+            write_manifest(tmp, state.version)
+            for path in [*tmp.iterdir(), tmp]:
+                _flush(path)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, SafetensorError) as err:  # safetensors wraps its I/O errors
+        reason = getattr(err, "strerror", None) or str(err)
+        raise CheckpointNotWritten(
+            f"checkpoint {final} could not be written: {reason}; {resume_hint(root.parent)}"
+        ) from None
     point_latest(root, final.name)
     _drop_old(root, final.name)
     return final
+
+
+def checkpoint_version(run_dir: Path) -> int | None:
+    """The policy version of ``RUN/checkpoints/latest``; None when the run saved none yet."""
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return None
+    return json.loads((latest / "trainer_state.json").read_text())["policy_version"]
+
+
+def resume_hint(run_dir: Path) -> str:
+    """What a stopped run kept: its newest checkpoint and the command that continues from it,
+    or that there is none yet."""
+    step = checkpoint_version(run_dir)
+    if step is None:
+        return f"{run_dir} holds no checkpoint yet (train.checkpoint_every)"
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    return f"`treegrpo train --resume {run_dir}` continues from update {step} ({latest})"
 
 
 def point_latest(root: Path, name: str) -> None:

@@ -25,6 +25,7 @@ from treegrpo_ray.config import EngineConfig, JobConfig, LoraSettings, PPOConfig
 from treegrpo_ray.engine import LoraPayload
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import (
+    CheckpointNotWritten,
     LearnerState,
     latest_checkpoint,
     load_checkpoint,
@@ -702,9 +703,13 @@ def train_loop_per_worker(config: dict) -> None:
             publish_s = time.perf_counter() - cycle_start
             every = cfg.train.checkpoint_every
             if every and learner.version % every == 0:
-                save_checkpoint(
-                    learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version}
-                )
+                try:
+                    save_checkpoint(
+                        learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version}
+                    )
+                except CheckpointNotWritten as err:
+                    ray.get(controller.abort.remote(str(err)))
+                    return
     report: dict[str, object] = {"policy_version": learner.version}
     if first:
         final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})

@@ -177,3 +177,59 @@ def test_a_resume_with_no_intact_checkpoint_is_one_clear_error(two_checkpoints, 
     (moved[0] / "optimizer.pt").unlink()
     with pytest.raises(UserInputError, match="no intact checkpoint .*optimizer.pt is missing"):
         use_intact_checkpoint(cfg)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(nbytes)``: a directory on a tmpfs of that size, mounted for the test (needs
+    root and mount(8); skipped with the reason where they are missing)."""
+    import os
+    import shutil
+    import subprocess
+
+    mounts = []
+
+    def make(nbytes: int):
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip("a size-limited tmpfs needs root and mount(8)")
+        where = tmp_path / f"disk{len(mounts)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield make
+    for where in mounts:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_with_one_line_and_keeps_the_previous(
+    tiny_cfg, tiny_policy, tmp_path, small_disk
+):
+    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner.version = 1
+    size = sum(
+        f.stat().st_size
+        for f in checkpoint.save_checkpoint(learner.state_dict(), tmp_path / "measure").iterdir()
+    )
+    run = small_disk(int(1.5 * size) + (64 << 10))  # room for one checkpoint, not two
+    root = run / "checkpoints"
+    first = checkpoint.save_checkpoint(learner.state_dict(), root)
+    learner.version = 2
+    with pytest.raises(checkpoint.CheckpointNotWritten) as stopped:
+        checkpoint.save_checkpoint(learner.state_dict(), root)
+    line = str(stopped.value)
+    assert "\n" not in line
+    assert f"checkpoint {root / 'step-000002'} could not be written: " in line
+    assert "No space left on device" in line
+    assert f"`treegrpo train --resume {run}` continues from update 1 ({first})" in line
+    # the previous checkpoint is named by latest and intact; nothing of the new one is left
+    assert checkpoint.latest_checkpoint(root) == first
+    assert checkpoint.check_checkpoint(first).intact
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]
