@@ -3,8 +3,10 @@
 A checkpoint directory holds a ``LearnerState`` (``Learner.state_dict``): the trainable weights
 (the whole model, or with LoRA only the adapter), the optimizer state, the torch RNG state and
 ``trainer_state.json`` (the learner's counters and whatever the caller adds, such as the data
-cursor), and last ``manifest.json``: every file with its size and CRC-32, the step and the format
-version. Checkpoints go to ``ROOT/step-NNNNNN``: each is written to a temporary directory, its
+cursor), and last ``manifest.json``: every file with its size and XXH3-64 checksum (format 2; the
+CRC-32 of format 1 is still verified), the step and the format version. XXH3 over the file's
+pages mapped into memory runs at 12-21 GB/s here, CRC-32 through reads at ~2: on a full SmolLM2
+checkpoint that is 0.05 against 0.5 of the time its load takes (benchmarks/checkpoint_verify.py). Checkpoints go to ``ROOT/step-NNNNNN``: each is written to a temporary directory, its
 files and the directory flushed to the disk, renamed into place, then ``ROOT/latest`` (a one-line
 file) is replaced atomically to name it and ``ROOT`` flushed, so until the new one is complete and
 on disk ``latest`` names the previous one. ``check_checkpoint`` verifies one against its manifest;
@@ -14,6 +16,7 @@ on disk ``latest`` names the previous one. ``check_checkpoint`` verifies one aga
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -31,8 +35,8 @@ from treegrpo_ray.errors import TrainingStopped
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept on disk (the newest ones)
 MANIFEST = "manifest.json"
-FORMAT = 1  # of the manifest
-CHUNK = 16 << 20  # bytes read at a time for the checksums
+FORMAT = 2  # of the manifest: 1 had CRC-32 checksums, 2 has XXH3-64
+CHUNK = 16 << 20  # bytes read at a time for the CRC-32 of format 1
 
 
 @dataclass
@@ -130,10 +134,26 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _xxh3(path: Path) -> str:
+    """XXH3-64 of the file's bytes, read through a memory map (no copies), as 16 hex digits."""
+    if path.stat().st_size == 0:
+        return xxhash.xxh3_64_hexdigest(b"")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+        return xxhash.xxh3_64_hexdigest(pages)
+
+
+def _matches(path: Path, want: dict) -> bool:
+    """Whether ``path``'s bytes have the checksum its manifest entry records."""
+    if "xxh3_64" in want:
+        return _xxh3(path) == want["xxh3_64"]
+    return _crc32(path) == want["crc32"]
+
+
 def write_manifest(directory: Path, step: int) -> None:
-    """Every file of ``directory`` with its size and CRC-32 (written last)."""
+    """Every file of ``directory`` with its size and XXH3-64 (written last)."""
     files = {
-        p.name: {"bytes": p.stat().st_size, "crc32": _crc32(p)} for p in sorted(directory.iterdir())
+        p.name: {"bytes": p.stat().st_size, "xxh3_64": _xxh3(p)}
+        for p in sorted(directory.iterdir())
     }
     manifest = {"format": FORMAT, "step": step, "files": files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -173,7 +193,7 @@ def check_checkpoint(path: Path) -> CheckpointCheck:
         if size != want["bytes"]:
             problem = f"{name} has {size} bytes, {want['bytes']} were written"
             return CheckpointCheck(path, problem, verified=True)
-        if _crc32(file) != want["crc32"]:
+        if not _matches(file, want):
             problem = f"{name} does not match its checksum (its bytes changed)"
             return CheckpointCheck(path, problem, verified=True)
     return CheckpointCheck(path, "", verified=True)

@@ -58,7 +58,7 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "_write_state", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointNotWritten, match="could not be written: disk full"):
         checkpoint.save_checkpoint(learner.state_dict(), tmp_path)
     monkeypatch.undo()
     assert checkpoint.latest_checkpoint(tmp_path) == first
@@ -111,13 +111,29 @@ def two_checkpoints(tiny_cfg, tiny_policy, tmp_path):
 def test_a_checkpoint_carries_a_manifest_of_its_files(two_checkpoints):
     newest = two_checkpoints[1]
     manifest = checkpoint.json.loads((newest / "manifest.json").read_text())
-    assert manifest["format"] == 1 and manifest["step"] == 2
+    assert manifest["format"] == 2 and manifest["step"] == 2
     names = {p.name for p in newest.iterdir()} - {"manifest.json"}
     assert set(manifest["files"]) == names
     size = (newest / "model.safetensors").stat().st_size
     assert manifest["files"]["model.safetensors"]["bytes"] == size
+    want = checkpoint.xxhash.xxh3_64_hexdigest((newest / "model.safetensors").read_bytes())
+    assert manifest["files"]["model.safetensors"]["xxh3_64"] == want
     check = checkpoint.check_checkpoint(newest)
     assert check.intact and check.verified
+
+
+def test_a_format_1_manifest_of_crc32_checksums_is_still_verified(two_checkpoints):
+    newest = two_checkpoints[1]
+    files = {
+        p.name: {"bytes": p.stat().st_size, "crc32": checkpoint.zlib.crc32(p.read_bytes())}
+        for p in newest.iterdir()
+        if p.name != "manifest.json"
+    }
+    manifest = {"format": 1, "step": 2, "files": files}
+    (newest / "manifest.json").write_text(checkpoint.json.dumps(manifest))
+    assert checkpoint.check_checkpoint(newest).intact
+    _flip_a_byte(newest / "model.safetensors")
+    assert "does not match its checksum" in checkpoint.check_checkpoint(newest).problem
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
