@@ -71,23 +71,33 @@ def save_checkpoint(state: LearnerState, root: Path, extra: dict[str, Any] | Non
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
-        try:
-            _write_state(state, tmp, extra or {})
-            write_manifest(tmp, state.version)
-            for path in [*tmp.iterdir(), tmp]:
-                _flush(path)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except (OSError, SafetensorError) as err:  # safetensors wraps its I/O errors
-        reason = getattr(err, "strerror", None) or str(err)
-        raise CheckpointNotWritten(
-            f"checkpoint {final} could not be written: {reason}; {resume_hint(root.parent)}"
-        ) from None
+    except OSError as err:
+        raise _not_written(final, err) from None
+    try:
+        _write_state(state, tmp, extra or {})
+        write_manifest(tmp, state.version)
+        for path in [*tmp.iterdir(), tmp]:
+            _flush(path)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    # safetensors wraps I/O errors in its own; torch.save on a full disk raises RuntimeError
+    except (OSError, SafetensorError, RuntimeError) as err:
+        raise _not_written(final, err) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     point_latest(root, final.name)
     _drop_old(root, final.name)
     return final
+
+
+def _not_written(final: Path, err: Exception) -> CheckpointNotWritten:
+    """The one line for checkpoint ``final`` that ``err`` stopped, said while its partial files
+    still take their space."""
+    reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+    if not isinstance(err, OSError):  # no errno: say what the disk had left
+        reason += f" (the disk holding it has {shutil.disk_usage(final.parent).free:,} bytes free)"
+    hint = resume_hint(final.parent.parent)
+    return CheckpointNotWritten(f"checkpoint {final} could not be written: {reason}; {hint}")
 
 
 def checkpoint_version(run_dir: Path) -> int | None:

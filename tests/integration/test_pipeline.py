@@ -314,3 +314,27 @@ def test_a_path_over_the_token_budget_stops_the_run_with_a_checkpoint(make_cfg, 
     # What the message proposes is a valid resume (test_resume_... runs one end to end).
     resumed = resume_config(cfg.run_dir, None, ["ppo.micro_batch_tokens=512"])
     assert resumed.ppo.micro_batch_tokens == 512 and resume_step(resumed) == 0
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_in_one_line(
+    tiny_cfg, two_step_overrides, small_disk, capsys
+):
+    """The run's output on a 3 MB tmpfs: its small files fit, its first checkpoint (~6 MB)
+    does not. torch.save reports a full disk as a RuntimeError without errno."""
+    out = small_disk(3 << 20)
+    sets = [
+        *two_step_overrides(),
+        f"train.output_dir={out}",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+    ]
+    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
+    assert main(args) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    run = out / "tiny-multihop"
+    assert line.startswith(
+        f"treegrpo: training stopped: checkpoint {run / 'checkpoints' / 'step-000001'} "
+        "could not be written: "
+    )
+    assert "bytes free)" in line and f"{run} holds no checkpoint yet" in line
+    assert list((run / "checkpoints").iterdir()) == []  # nothing of it left

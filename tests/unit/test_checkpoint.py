@@ -195,36 +195,6 @@ def test_a_resume_with_no_intact_checkpoint_is_one_clear_error(two_checkpoints, 
         use_intact_checkpoint(cfg)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """``small_disk(nbytes)``: a directory on a tmpfs of that size, mounted for the test (needs
-    root and mount(8); skipped with the reason where they are missing)."""
-    import os
-    import shutil
-    import subprocess
-
-    mounts = []
-
-    def make(nbytes: int):
-        if os.geteuid() != 0 or shutil.which("mount") is None:
-            pytest.skip("a size-limited tmpfs needs root and mount(8)")
-        where = tmp_path / f"disk{len(mounts)}"
-        where.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounts.append(where)
-        return where
-
-    yield make
-    for where in mounts:
-        subprocess.run(["umount", str(where)], check=False)
-
-
 def test_a_checkpoint_the_disk_cannot_hold_stops_with_one_line_and_keeps_the_previous(
     tiny_cfg, tiny_policy, tmp_path, small_disk
 ):
