@@ -12,6 +12,8 @@ process may reach under load, not what a light step reaches.
 
 Sizes come from the model's config, the model built on the meta device (no weights are read).
 The constants were measured on this project's 2-core CPU nodes (README, "Sizing a CPU node").
+``gpu_learner_plan`` is a learner rank on one GPU (its constants measured on an H200; placement
+and the rollout engines' GPUs are ``treegrpo_ray.gpu_plan``).
 """
 
 from __future__ import annotations
