@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check (issue 30; README "Checking a GPU machine"): from a source checkout, nothing
 # installed, no Ray or vLLM needed; what it measures goes to $OUT (default runs/device-check).
-# Needs torch, transformers, peft, pyarrow, pydantic, pyyaml, safetensors and pytest importable
+# Needs torch, transformers, peft, pyarrow, pydantic, pyyaml, safetensors, xxhash and pytest importable
 # by $PYTHON (default python3).
 # Without CUDA the CUDA parts are skipped, each with the reason, and the rest runs (CI runs it so).
 set -uo pipefail
