@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +68,8 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-# `ray start --block` prints this once the node registered with the GCS, the head's dashboard
-# serves HTTP and ROOT/head/ray_current_cluster holds the address: the node is ready.
+# `ray start --block` prints this once the node registered with the GCS and the head's dashboard
+# serves HTTP: the node is ready (ROOT/head/ray_current_cluster, the address, may come after).
 READY_LINE = "This command will now block forever"
 
 
@@ -102,6 +103,17 @@ def _ray_start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Po
         process.kill()
         raise RuntimeError(f"`ray start {args[0]}` did not come up; its output:\n{log.read_text()}")
     return process
+
+
+def _written(path: Path, head: subprocess.Popen, log: Path) -> str:
+    """The contents of the file the head writes once up (seen missing right after its ready line
+    once, in a fresh environment's first run): waited for while the head runs."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not path.is_file():
+        if head.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the head wrote no {path.name}; its output:\n{log.read_text()}")
+        time.sleep(0.1)
+    return path.read_text().strip()
 
 
 def _alive_nodes(url: str, headers: dict[str, str]) -> list[dict]:
@@ -163,7 +175,9 @@ def start_cluster(
         head += ["--resources", json.dumps(NODE_RESOURCES[0])]
         head += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]
         processes.append(_ray_start(head, env, root / "head.log"))
-        gcs_address = (root / "head" / "ray_current_cluster").read_text().strip()
+        gcs_address = _written(
+            root / "head" / "ray_current_cluster", processes[0], root / "head.log"
+        )
         node = ["--address", gcs_address, "--temp-dir", str(root / "node1")]
         node += ["--resources", json.dumps(NODE_RESOURCES[1])]
         node += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]
