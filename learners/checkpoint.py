@@ -103,18 +103,20 @@ def _not_written(final: Path, err: Exception) -> CheckpointNotWritten:
 def checkpoint_version(run_dir: Path) -> int | None:
     """The policy version of ``RUN/checkpoints/latest``; None when the run saved none yet."""
     latest = latest_checkpoint(run_dir / "checkpoints")
-    if latest is None:
-        return None
-    return json.loads((latest / "trainer_state.json").read_text())["policy_version"]
+    return None if latest is None else _version_of(latest)
+
+
+def _version_of(checkpoint: Path) -> int:
+    return json.loads((checkpoint / "trainer_state.json").read_text())["policy_version"]
 
 
 def resume_hint(run_dir: Path) -> str:
     """What a stopped run kept: its newest checkpoint and the command that continues from it,
     or that there is none yet."""
-    step = checkpoint_version(run_dir)
-    if step is None:
-        return f"{run_dir} holds no checkpoint yet (train.checkpoint_every)"
     latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return f"{run_dir} holds no checkpoint yet (train.checkpoint_every)"
+    step = _version_of(latest)
     return f"`treegrpo train --resume {run_dir}` continues from update {step} ({latest})"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -20,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +69,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 # `ray start --block` prints this once the node registered with the GCS and the head's dashboard
-# serves HTTP: the node is ready (ROOT/head/ray_current_cluster, the address, may come after).
+# serves HTTP: the node is ready (its "Local node IP" line came before).
 READY_LINE = "This command will now block forever"
 
 
@@ -105,15 +105,14 @@ def _ray_start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Po
     return process
 
 
-def _written(path: Path, head: subprocess.Popen, log: Path) -> str:
-    """The contents of the file the head writes once up (seen missing right after its ready line
-    once, in a fresh environment's first run): waited for while the head runs."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not path.is_file():
-        if head.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the head wrote no {path.name}; its output:\n{log.read_text()}")
-        time.sleep(0.1)
-    return path.read_text().strip()
+def _head_address(log: Path, gcs_port: int) -> str:
+    """NODE_IP:PORT of the head's GCS, from the "Local node IP" line `ray start` prints before its
+    ready line (its ray_current_cluster file was seen missing at that point once)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # the CLI's colours
+    found = re.search(r"Local node IP: ?([0-9A-Fa-f.:]+)", text)
+    if found is None:
+        raise RuntimeError(f"the head printed no node IP; its output:\n{text}")
+    return f"{found.group(1)}:{gcs_port}"
 
 
 def _alive_nodes(url: str, headers: dict[str, str]) -> list[dict]:
@@ -175,9 +174,7 @@ def start_cluster(
         head += ["--resources", json.dumps(NODE_RESOURCES[0])]
         head += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]
         processes.append(_ray_start(head, env, root / "head.log"))
-        gcs_address = _written(
-            root / "head" / "ray_current_cluster", processes[0], root / "head.log"
-        )
+        gcs_address = _head_address(root / "head.log", gcs_port)
         node = ["--address", gcs_address, "--temp-dir", str(root / "node1")]
         node += ["--resources", json.dumps(NODE_RESOURCES[1])]
         node += ["--num-gpus", str(FAKE_GPUS_PER_NODE)]

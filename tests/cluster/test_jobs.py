@@ -276,19 +276,24 @@ def test_scale_to_zero_or_a_job_that_is_not_running_is_one_line(with_token):
     assert _cli("status", "--address", url).stdout == before  # treegrpo jobs untouched
 
 
+def _train_on(ray_cluster, tiny_cfg, out, *sets: str) -> subprocess.CompletedProcess:
+    """`treegrpo train tiny-multihop` against the test cluster with the tests' warm start."""
+    sets = (
+        *sets,
+        f"cluster.address={ray_cluster.gcs_address}",
+        f"train.output_dir={out}",
+        f"warmstart.steps={tiny_cfg.warmstart.steps}",
+        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+    )
+    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
+    return _cli_process(ray_cluster.client_env(), *args)
+
+
 def test_a_config_larger_than_the_cluster_is_refused_before_anything_starts(
     ray_cluster, tiny_cfg, tiny_policy, tmp_path
 ):
-    sets = [
-        "cluster.rollout_workers=4",
-        "train.prompts_per_step=4",
-        f"cluster.address={ray_cluster.gcs_address}",
-        f"train.output_dir={tmp_path}",
-        f"warmstart.steps={tiny_cfg.warmstart.steps}",
-        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
-    ]
-    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
-    result = _cli_process(ray_cluster.client_env(), *args)
+    sets = ["cluster.rollout_workers=4", "train.prompts_per_step=4"]
+    result = _train_on(ray_cluster, tiny_cfg, tmp_path, *sets)
     _assert_one_line_error(result, "asks for 5 CPU", "the Ray cluster has 2", "add nodes")
     assert not (tmp_path / "tiny-multihop").exists()
 
@@ -298,15 +303,7 @@ def test_a_learner_rank_needing_more_gpus_than_any_node_has_is_refused_with_the_
 ):
     """Each node declares 2 GPUs (4 in all): 3 for one learner rank pass the total but no node
     holds them, and Ray would wait for them forever."""
-    sets = [
-        "cluster.learner_gpus=3",
-        f"cluster.address={ray_cluster.gcs_address}",
-        f"train.output_dir={tmp_path}",
-        f"warmstart.steps={tiny_cfg.warmstart.steps}",
-        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
-    ]
-    args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
-    result = _cli_process(ray_cluster.client_env(), *args)
+    result = _train_on(ray_cluster, tiny_cfg, tmp_path, "cluster.learner_gpus=3")
     _assert_one_line_error(
         result,
         "cannot be placed: learner rank 0: needs 3 GPU(s) on one node",
