@@ -5,7 +5,9 @@ process): a ``RolloutWorker`` of the preset expands one lease of ``prompts`` pro
 the tree shape and engine bounds of the case; optionally a learner rank then takes one update on
 those trees in another fresh process. Both import ray first, as Ray's workers do. Beside each
 measured peak: the plan's estimate for the same settings (``treegrpo_ray.memory_plan``), and the
-engine's own peak KV bytes.
+engine's own peak KV bytes; and the plan's load-aware estimate (``expected_rollout_worker``)
+from the episode lengths of one case's trees (``--load-case``, the lightest by default): what a
+short run predicts for heavier loads.
 
     python -m benchmarks.rollout_memory --out benchmarks/results/rollout_memory
     python -m benchmarks.rollout_memory --cases 4:2,6,1 12:2,6,1:unbounded --learner 4:2,6,1
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import treegrpo_ray  # noqa: F401  (first: it sets OMP_WAIT_POLICY before torch loads)
@@ -68,8 +71,8 @@ def rollout_child(preset: str, case: str, trees_path: str) -> dict:
     from treegrpo_ray.cluster.plan import model_sizes
     from treegrpo_ray.config import load_config
     from treegrpo_ray.learners.policies import resolve_model_path
-    from treegrpo_ray.memory_plan import rollout_worker_plan
-    from treegrpo_ray.tree import batch_info
+    from treegrpo_ray.memory_plan import RolloutLoad, rollout_worker_plan
+    from treegrpo_ray.tree import batch_info, trees_from_arrow
 
     cfg = load_config(preset, overrides(case))
     path = resolve_model_path(cfg, progress=False)
@@ -96,6 +99,7 @@ def rollout_child(preset: str, case: str, trees_path: str) -> dict:
         "memory_throttles": engine.cache_stats().get("memory_throttles", 0),
         "plan_bytes": plan.nbytes,
         "plan": {t.what: t.nbytes for t in plan.terms},
+        "load": asdict(RolloutLoad.of_trees(trees_from_arrow(table))),
     }
 
 
@@ -128,20 +132,33 @@ def learner_child(preset: str, case: str, trees_path: str) -> dict:
     }
 
 
-def replan(results: dict) -> None:
-    """Recompute each case's plan with this checkout's ``memory_plan`` (the measured figures do
-    not depend on it)."""
+def replan(results: dict, load_case: str) -> None:
+    """Recompute each case's plan, and its expected peak from the episode lengths of
+    ``load_case``'s trees, with this checkout's ``memory_plan`` (the measured figures do not
+    depend on it)."""
 
     from treegrpo_ray.cluster.plan import model_sizes
     from treegrpo_ray.config import load_config
-    from treegrpo_ray.memory_plan import learner_plan, rollout_worker_plan
+    from treegrpo_ray.memory_plan import (
+        RolloutLoad,
+        expected_rollout_worker,
+        learner_plan,
+        rollout_worker_plan,
+    )
 
+    loads = {r["case"]: r["load"] for r in results["rollouts"] if "load" in r}
+    load = RolloutLoad(**loads[load_case]) if load_case in loads else None
+    results["load_case"] = load_case if load else None
     for role, records in (("rollout", results["rollouts"]), ("learner", results["learners"])):
         for record in records:
             cfg = load_config(results["preset"], overrides(record["case"]))
             sizes = model_sizes(cfg)
             if role == "rollout":
                 plan = rollout_worker_plan(cfg, sizes, workers_on_node=1)
+                if load is not None:
+                    expected = expected_rollout_worker(cfg, sizes, 1, load, evaluation=False)
+                    record["expected_bytes"] = expected.nbytes
+                    record["expected"] = {t.what: t.nbytes for t in expected.terms}
             else:
                 plan = learner_plan(cfg, sizes, ranks_on_node=1)
             record["plan_bytes"] = plan.nbytes
@@ -172,27 +189,33 @@ def table(rollouts: list[dict], learners: list[dict]) -> str:
     gb = 1e9
     rows = [
         "| case (prompts:m,n,l:bound) | leaves | peak RSS GB | plan GB | measured / plan | "
-        "engine peak KV GB | KV budget GB | throttled steps | generated tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "expected GB | measured / expected | engine peak KV GB | KV budget GB | "
+        "throttled steps | generated tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rollouts:
-        plan, ratio, budget = "-", "-", "none"
+        plan, ratio, expected, budget = "-", "-", "- | -", "none"
         if not r["case"].endswith(":unbounded"):  # no bound: nothing to plan
             plan, ratio = (
                 f"{r['plan_bytes'] / gb:.2f}",
                 f"{r['peak_rss_bytes'] / r['plan_bytes']:.2f}",
             )
             budget = f"{r['kv_budget_bytes'] / gb:.2f}"
+            if "expected_bytes" in r:
+                expected = (
+                    f"{r['expected_bytes'] / gb:.2f} | "
+                    f"{r['peak_rss_bytes'] / r['expected_bytes']:.2f}"
+                )
         rows.append(
             f"| {r['case']} | {r['leaves']} | {r['peak_rss_bytes'] / gb:.2f} | {plan} | {ratio} | "
-            f"{r['peak_kv_bytes'] / gb:.2f} | {budget} | {r['memory_throttles']:.0f} | "
-            f"{r['tokens_per_s']:.1f} |"
+            f"{expected} | {r['peak_kv_bytes'] / gb:.2f} | {budget} | "
+            f"{r['memory_throttles']:.0f} | {r['tokens_per_s']:.1f} |"
         )
     for r in learners:
         rows.append(
             f"| learner on {r['case']} ({r['unique_tokens']:.0f} tokens) | | "
             f"{r['peak_rss_bytes'] / gb:.2f} | {r['plan_bytes'] / gb:.2f} | "
-            f"{r['peak_rss_bytes'] / r['plan_bytes']:.2f} | | | | |"
+            f"{r['peak_rss_bytes'] / r['plan_bytes']:.2f} | | | | | | |"
         )
     return "\n".join(rows)
 
@@ -203,6 +226,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--learner", nargs="*", default=DEFAULT_LEARNER)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout_memory"))
+    parser.add_argument(
+        "--load-case",
+        help="the case whose trees' episode lengths give every case's expected peak "
+        "(default: the first case)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument(
         "--replan", action="store_true", help="recompute the plans of OUT/results.json, rewrite"
@@ -210,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replan:
         results = json.loads((args.out / "results.json").read_text())
-        replan(results)
+        replan(results, args.load_case or results["rollouts"][0]["case"])
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
         (args.out / "table.md").write_text(table(results["rollouts"], results["learners"]) + "\n")
         print(table(results["rollouts"], results["learners"]))
@@ -231,6 +259,7 @@ def main() -> None:
                 learners.append(_child("learner", args.preset, case, trees))
                 print(json.dumps(learners[-1]), flush=True)
             results = {"preset": args.preset, "rollouts": rollouts, "learners": learners}
+            replan(results, args.load_case or args.cases[0])
             (args.out / "results.json").write_text(json.dumps(results, indent=2))
             (args.out / "table.md").write_text(table(rollouts, learners) + "\n")
     print(table(rollouts, learners))

@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of one GPU"
     )
+    plan.add_argument(
+        "--trees",
+        type=Path,
+        metavar="RUN_DIR",
+        help="a run of the same task and policy with saved trees (a short one will do): adds "
+        "what each rollout worker is expected to reach at this job's load, from the episode "
+        "lengths of its last saved update",
+    )
     sub.add_parser("presets", help="list the presets shipped with the package")
     checkpoints = sub.add_parser(
         "checkpoints", help="a run's checkpoints: step, size, intact or damaged (and why)"
@@ -131,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
             if not (args.nodes and args.gpus_per_node):
                 raise UserInputError("give --nodes and --gpus-per-node together, e.g. 2 and 8")
             gpus = GpuCluster(args.nodes, args.gpus_per_node, args.gpu_memory)
-        return print_plan(cfg, gpus)
+        return print_plan(cfg, gpus, args.trees)
     if args.command == "warmstart":
         from treegrpo_ray.learners.policies import resolve_model_path
 

@@ -14,7 +14,15 @@ from treegrpo_ray.config import JobConfig, node_memory_bytes
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.gpu_plan import gpu_plan
 from treegrpo_ray.hub import resolve_policy_path
-from treegrpo_ray.memory_plan import ACTION_SHARE, GB, ModelSizes, NodePlan, local_node_plan
+from treegrpo_ray.memory_plan import (
+    ACTION_SHARE,
+    GB,
+    ModelSizes,
+    NodePlan,
+    RolloutLoad,
+    expected_rollout_worker,
+    local_node_plan,
+)
 from treegrpo_ray.pretrained import prepare_model
 
 ARCHITECTURES = Path(str(resources.files("treegrpo_ray").joinpath("presets", "architectures")))
@@ -59,18 +67,43 @@ def architecture_path(cfg: JobConfig) -> str | Path:
     return resolve_model_path(cfg)
 
 
-def print_plan(cfg: JobConfig, gpus: GpuCluster | None = None) -> int:
+def print_plan(
+    cfg: JobConfig, gpus: GpuCluster | None = None, trees_run: Path | None = None
+) -> int:
     """``treegrpo plan``: a job that uses GPUs (or given ``gpus``) gets the GPU plan, any other
-    the CPU table of this node; exit code 0 when it fits, 1 when not."""
+    the CPU table of this node, and with ``trees_run`` (a run with saved trees) what a rollout
+    worker is expected to reach at the job's load; exit code 0 when it fits, 1 when not."""
     uses_gpus = cfg.cluster.learner_gpus > 0 or cfg.engine.rollout_gpus() > 0
     if uses_gpus or gpus is not None:
         return _print_gpu_plan(cfg, gpus or GpuCluster.for_job(cfg))
-    plan = node_plan(cfg, architecture_path(cfg))
+    sizes = model_sizes(cfg, architecture_path(cfg))
+    plan = local_node_plan(cfg, sizes, node_memory_bytes())
     print(f"treegrpo plan: {cfg.name}, CPU memory with every worker on this node")
     print(plan.render())
     if cfg.engine.kind != "hf":
         print("(vLLM's rollout workers and their KV pool are not counted)")
+    elif trees_run is not None:
+        load, step = run_load(trees_run)
+        expected = expected_rollout_worker(cfg, sizes, plan.processes[0].count, load)
+        print(
+            f"\nat this job's load, with the episodes of {trees_run} (update {step}: "
+            f"{load.leaves} leaves, longest {load.longest_tokens} tokens):"
+        )
+        print(expected.render())
     return 0 if plan.fits() else 1
+
+
+def run_load(run_dir: Path) -> tuple[RolloutLoad, int]:
+    """The episode lengths of ``run_dir``'s saved update with the longest episode (the policy
+    a job's memory must hold at its longest), and that update's step."""
+    from treegrpo_ray.saved_trees import read_saved_trees, saved_steps, saved_trees_as_trees
+
+    loads = {}
+    for step in saved_steps(run_dir):  # raises, saying what to give, where none were saved
+        table, _ = read_saved_trees(run_dir, step)
+        loads[step] = RolloutLoad.of_trees(saved_trees_as_trees(table))
+    step = max(loads, key=lambda s: loads[s].longest_tokens)
+    return loads[step], step
 
 
 @dataclass(frozen=True)

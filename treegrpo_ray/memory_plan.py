@@ -8,7 +8,10 @@ churns. Per learner rank: the runtime, the weights, the trained parameters with
 their gradients and Adam state, the reference copy (full fine-tuning; LoRA disables the adapter
 instead), the packed frozen layers, and the activations one packed row of
 ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in full: the plan is what a
-process may reach under load, not what a light step reaches.
+process may reach under load, not what a light step reaches. Given the trees of a short run of
+the same task (``RolloutLoad``), ``expected_rollout_worker`` estimates what a rollout worker
+reaches at the job's load instead: the running rows and their slots from the lease's leaves and
+the longest episode, the prefix cache's fill from the lease's unique tokens.
 
 Sizes come from the model's config, the model built on the meta device (no weights are read).
 The constants were measured on this project's 2-core CPU nodes (README, "Sizing a CPU node").
@@ -27,6 +30,7 @@ import torch
 
 from treegrpo_ray import TRIM_THRESHOLD_BYTES
 from treegrpo_ray.config import JobConfig, LoraSettings
+from treegrpo_ray.tree import Tree
 
 GB = 10**9
 # A process with torch, transformers and ray imported, before any model: 454 MB resident.
@@ -109,6 +113,14 @@ class ProcessPlan:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.terms)
 
+    def render(self) -> str:
+        """The process's line and a line per term, with the setting that changes it."""
+        lines = [f"{self.name} x{self.count}: {self.nbytes / GB:6.2f} GB each"]
+        for term in self.terms:
+            setting = f"  ({term.setting})" if term.setting else ""
+            lines.append(f"    {term.what:<42} {term.nbytes / GB:6.2f} GB{setting}")
+        return "\n".join(lines)
+
 
 def kept_free_bytes() -> int:
     """Freed memory glibc may keep in a process (``treegrpo_ray.keep_freed_memory``): the prefix
@@ -118,18 +130,28 @@ def kept_free_bytes() -> int:
     return 0 if os.environ.get("TREEGRPO_KEEP_FREED_MEMORY") == "0" else TRIM_THRESHOLD_BYTES
 
 
+def _rollout_worker_base(cfg: JobConfig, sizes: ModelSizes) -> list[Term]:
+    """What a rollout worker holds whatever its load: runtime, weights, their packed copies."""
+    terms = [Term("runtime (Python, torch, Ray)", RUNTIME_BYTES)]
+    terms.append(Term("weights", sizes.params * sizes.param_bytes))
+    if cfg.engine.onednn_linears:
+        packed = sizes.linear_params * sizes.param_bytes
+        terms.append(Term("oneDNN-packed linear weights", packed, "engine.onednn_linears"))
+    return terms
+
+
+def _slot_positions(cfg: JobConfig, sizes: ModelSizes) -> int:
+    """Columns a KV slot may reach: ``engine.max_model_len`` (or the model's context) + scratch."""
+    return min(sizes.max_positions, cfg.engine.max_model_len or sizes.max_positions) + 1
+
+
 def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int) -> ProcessPlan:
     """An embedded-engine rollout worker at its budgets (vLLM's pool is not counted here)."""
     engine = cfg.engine
-    terms = [Term("runtime (Python, torch, Ray)", RUNTIME_BYTES)]
-    terms.append(Term("weights", sizes.params * sizes.param_bytes))
-    if engine.onednn_linears:
-        packed = sizes.linear_params * sizes.param_bytes
-        terms.append(Term("oneDNN-packed linear weights", packed, "engine.onednn_linears"))
+    terms = _rollout_worker_base(cfg, sizes)
     if engine.prefix_cache:
         terms.append(Term("prefix cache budget", engine.cache_bytes, "engine.cache_bytes"))
-    positions = min(sizes.max_positions, engine.max_model_len or sizes.max_positions) + 1
-    slots = engine.max_num_seqs * positions * sizes.kv_token_bytes
+    slots = engine.max_num_seqs * _slot_positions(cfg, sizes) * sizes.kv_token_bytes
     kv = min(engine.kv_budget(workers_on_node), slots)
     setting = "engine.max_kv_bytes" if kv < slots else "engine.max_num_seqs x max_model_len"
     terms.append(Term("running rows' KV bound", kv, setting))
@@ -137,6 +159,68 @@ def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int)
         churn = min(kept_free_bytes(), engine.cache_bytes)
         terms.append(Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes"))
     return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
+
+
+@dataclass(frozen=True)
+class RolloutLoad:
+    """Token counts of trees a rollout worker expanded (a short run of the same task and
+    policy): what ``expected_rollout_worker`` scales to another load."""
+
+    leaves: int
+    unique_tokens: int  # prompts (once per group) and every node's action + observation tokens
+    path_tokens: int  # the leaves' paths laid out flat, prompts included
+    longest_tokens: int  # the longest leaf path
+
+    @classmethod
+    def of_trees(cls, trees: list[Tree]) -> RolloutLoad:
+        prompts = {t.group_id: len(t.prompt_ids) for t in trees}
+        paths = [
+            len(t.prompt_ids) + sum(n.token_count for n in t.path(leaf.node_id))
+            for t in trees
+            for leaf in t.leaves()
+        ]
+        nodes = sum(n.token_count for t in trees for n in t.nodes)
+        return cls(len(paths), sum(prompts.values()) + nodes, sum(paths), max(paths))
+
+
+# A KV slot's columns grow to half again the longest row asked for (``SlotKV.grown``).
+SLOT_GROWTH = 1.5
+
+
+def expected_rollout_worker(
+    cfg: JobConfig,
+    sizes: ModelSizes,
+    workers_on_node: int,
+    load: RolloutLoad,
+    evaluation: bool = True,
+) -> ProcessPlan:
+    """What a rollout worker is expected to reach at ``cfg``'s load, its episodes as long as
+    ``load``'s: slots for the rows that run at once (a lease's leaves, or with ``evaluation``
+    the worker's share of the held-out questions, one chain each, if more; at most
+    ``max_num_seqs``) of 1.5x the longest episode; the prefix cache filled with their unique
+    tokens (the cache resets with each policy version); the freed memory glibc keeps once the
+    cache evicts."""
+    engine, kv_token = cfg.engine, sizes.kv_token_bytes
+    leaves = cfg.lease_size() * cfg.tree.shape().leaves_per_prompt
+    cached = leaves * load.unique_tokens // load.leaves
+    if evaluation:
+        episodes = -(-cfg.train.final_eval_questions // cfg.cluster.rollout_workers)
+        cached = max(cached, episodes * load.path_tokens // load.leaves)
+        leaves = max(leaves, episodes)
+    terms = _rollout_worker_base(cfg, sizes)
+    evicting = False
+    if engine.prefix_cache:
+        fill = cached * kv_token
+        evicting = fill > engine.cache_bytes
+        terms.append(Term("prefix cache fill", min(fill, engine.cache_bytes), "engine.cache_bytes"))
+    columns = min(_slot_positions(cfg, sizes), int(SLOT_GROWTH * load.longest_tokens))
+    slots = min(engine.max_num_seqs, leaves) * columns * kv_token
+    kv = min(engine.kv_budget(workers_on_node), slots)
+    terms.append(Term("running rows' KV", kv, "engine.max_kv_bytes, engine.max_num_seqs"))
+    if evicting:
+        churn = min(kept_free_bytes(), engine.cache_bytes)
+        terms.append(Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes"))
+    return ProcessPlan("rollout worker (expected at this load)", workers_on_node, tuple(terms))
 
 
 def activation_bytes(sizes: ModelSizes, tokens: int) -> int:
@@ -261,12 +345,7 @@ class NodePlan:
 
     def render(self) -> str:
         """The plan as a table: each process kind, its terms, the node's total and verdict."""
-        lines = []
-        for process in self.processes:
-            lines.append(f"{process.name} x{process.count}: {process.nbytes / GB:6.2f} GB each")
-            for term in process.terms:
-                setting = f"  ({term.setting})" if term.setting else ""
-                lines.append(f"    {term.what:<42} {term.nbytes / GB:6.2f} GB{setting}")
+        lines = [process.render() for process in self.processes]
         lines.append(
             f"driver, controller, retriever, Ray's own processes: {AUXILIARY_BYTES / GB:.2f} GB"
         )

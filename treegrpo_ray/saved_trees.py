@@ -33,7 +33,7 @@ import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.tree import Tree, trees_to_arrow
+from treegrpo_ray.tree import NODE_SCHEMA, Tree, trees_from_arrow, trees_to_arrow
 
 TREES_DIR = "trees"
 META_KEY = b"treegrpo_saved"
@@ -171,3 +171,8 @@ def read_saved_trees(run_dir: Path, step: int) -> tuple[pa.Table, dict[str, Any]
             "train again"
         )
     return table, meta
+
+
+def saved_trees_as_trees(table: pa.Table) -> list[Tree]:
+    """The trees of a saved table (its wire columns; the decoded text and advantages dropped)."""
+    return trees_from_arrow(table.select([n for n in table.column_names if n in NODE_SCHEMA.names]))

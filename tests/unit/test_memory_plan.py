@@ -4,7 +4,14 @@ the tiny Qwen2, the engine's and learner's terms, the refusal and ``treegrpo pla
 from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.config import JobConfig, LoraSettings
 from treegrpo_ray.learners.learner import with_lora_adapter
-from treegrpo_ray.memory_plan import GB, ModelSizes, NodePlan, local_node_plan
+from treegrpo_ray.memory_plan import (
+    GB,
+    ModelSizes,
+    NodePlan,
+    RolloutLoad,
+    expected_rollout_worker,
+    local_node_plan,
+)
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
 
 LORA = LoraSettings(enabled=True, rank=2)
@@ -98,3 +105,65 @@ def test_train_refuses_a_local_job_over_the_node_before_ray_starts(tiny_policy, 
     error = capsys.readouterr().err
     assert "Ray starts killing workers" in error and "engine.max_num_seqs" in error
     assert not ray.is_initialized() and not any(tmp_path.iterdir())
+
+
+def _two_leaf_tree():
+    """A 10-token prompt; node 0 (3 action + 4 observation tokens) with leaf 1 (2 tokens) below
+    it, and leaf 2 (5 tokens) under the root."""
+    from treegrpo_ray.tree import ROOT, Tree
+
+    tree = Tree(tree_id=0, group_id=0, prompt_ids=list(range(10)))
+    step = {"action_logprobs": [], "finish_reason": "", "policy_version": 0}
+    step |= {"role": "assistant", "tool_call": False}
+    tree.add(ROOT, action_ids=[1, 2, 3], obs_ids=[4, 5, 6, 7], finished=False, **step)
+    tree.add(0, action_ids=[1, 2], obs_ids=[], finished=True, **step)
+    tree.add(ROOT, action_ids=[1, 2, 3, 4, 5], obs_ids=[], finished=True, **step)
+    return tree
+
+
+def test_a_load_counts_unique_flat_and_longest_tokens_by_hand():
+    load = RolloutLoad.of_trees([_two_leaf_tree()])
+    assert load == RolloutLoad(
+        leaves=2, unique_tokens=10 + 7 + 2 + 5, path_tokens=19 + 15, longest_tokens=19
+    )
+
+
+def test_the_expected_worker_scales_the_load_to_the_lease_and_the_evaluation():
+    sizes = ModelSizes.of(_tiny().config, LORA)  # 1 KiB of KV a token
+    load = RolloutLoad.of_trees([_two_leaf_tree()])
+    settings = {
+        "tree": {"m": 1, "n": 2, "l": 1},  # 3 leaves a prompt, 4 prompts: 12 leaves a lease
+        "train": {"prompts_per_step": 4, "final_eval_questions": 100},
+        "engine": {"cache_bytes": 2 * 10**6, "max_kv_bytes": GB},
+    }
+    cfg = JobConfig.model_validate(settings)
+    lease = expected_rollout_worker(cfg, sizes, 1, load, evaluation=False)
+    terms = {t.what: t.nbytes for t in lease.terms}
+    assert terms["prefix cache fill"] == 12 * 24 // 2 * 1024  # unique tokens a leaf, 12 leaves
+    assert terms["running rows' KV"] == 12 * 28 * 1024  # 12 slots of 1.5 x 19 columns
+    assert "freed memory glibc keeps (cache churn)" not in terms  # the cache never evicts
+    evaluated = {t.what: t.nbytes for t in expected_rollout_worker(cfg, sizes, 1, load).terms}
+    assert evaluated["prefix cache fill"] == 100 * 34 // 2 * 1024  # 100 chains, flat paths
+    assert evaluated["running rows' KV"] == 64 * 28 * 1024  # max_num_seqs of the 100 at once
+    settings["engine"]["cache_bytes"] = 10**6
+    evicting = JobConfig.model_validate(settings)
+    terms = {t.what: t.nbytes for t in expected_rollout_worker(evicting, sizes, 1, load).terms}
+    assert terms["prefix cache fill"] == 10**6
+    assert terms["freed memory glibc keeps (cache churn)"] == 10**6
+
+
+def test_plan_with_a_runs_trees_prints_the_expected_worker(tmp_path, capsys):
+    from treegrpo_ray.saved_trees import NodeAdvantage, saved_trees_table, write_saved_trees
+
+    _tiny().config.save_pretrained(tmp_path / "policy")
+    tree = _two_leaf_tree()
+    advantages = {(0, n.node_id): NodeAdvantage(None, (0.0,)) for n in tree.nodes}
+    table = saved_trees_table([tree], advantages, lambda ids: "", {"step": 1})
+    write_saved_trees(tmp_path / "run", 1, table)
+    args = ["plan", "tiny-multihop", "--set", f"model.path={tmp_path / 'policy'}"]
+    assert main([*args, "--trees", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "(update 1: 2 leaves, longest 19 tokens)" in out
+    assert "rollout worker (expected at this load) x1" in out
+    assert main([*args, "--trees", str(tmp_path)]) == 2
+    assert "holds no saved trees" in capsys.readouterr().err
