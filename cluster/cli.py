@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     from treegrpo_ray.cluster.budget_suite import add_arguments
 
     add_arguments(bench.add_parser("budget", help="chain GRPO vs Tree-GRPO at matched cost"))
+    from treegrpo_ray.cluster import peer_bench
+
+    peer_bench.add_arguments(
+        bench.add_parser(
+            "peer", help="our engine and learner beside TRL's GRPOTrainer (extra: peer)"
+        )
+    )
     add_job_commands(sub)
     return parser
 
@@ -107,6 +114,10 @@ def _run(args: argparse.Namespace) -> int:
     from treegrpo_ray.config import load_config, preset_names
 
     if args.command == "bench":
+        if args.suite == "peer":
+            from treegrpo_ray.cluster.peer_bench import run_from_args as run_peer
+
+            return run_peer(args)
         from treegrpo_ray.cluster.budget_suite import run_from_args
 
         return run_from_args(args)

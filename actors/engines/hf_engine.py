@@ -61,7 +61,8 @@ class _Row:
     """Decoding state of one request: its tokens so far and the KV its slot holds.
 
     length: tokens whose KV is in the slot (the prefix, then every sampled token but the last,
-    which is fed at the next step); cached: prefix tokens that came from the prefix cache."""
+    which is fed at the next step); cached: prefix tokens that came from the prefix cache;
+    shared: prefix tokens copied from a row that joined with the same prefix (not computed)."""
 
     def __init__(self, request: GenerationRequest, generator: torch.Generator, tag: Hashable):
         self.request = request
@@ -73,6 +74,7 @@ class _Row:
         self.finish_reason: str | None = None
         self.length = 0
         self.cached = 0
+        self.shared = 0
 
     def record(self, token: int, logprob: float, entropy: float, max_positions: int) -> None:
         self.token_ids.append(token)
@@ -91,10 +93,22 @@ class _Row:
             token_ids=self.token_ids,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason or "length",
-            prefill_tokens=len(self.request.prefix_ids) - self.cached,
-            cached_tokens=self.cached,
+            prefill_tokens=len(self.request.prefix_ids) - self.cached - self.shared,
+            cached_tokens=self.cached + self.shared,
             entropies=self.entropies,
         )
+
+
+def _distinct_prefixes_first(rows: list[_Row]) -> list[_Row]:
+    """``rows`` with the first row of each distinct prefix first (in order), the rows repeating
+    an earlier prefix after them (in order)."""
+    seen: set[tuple[int, ...]] = set()
+    first, repeated = [], []
+    for row in rows:
+        prefix = row.request.prefix_ids
+        (repeated if prefix in seen else first).append(row)
+        seen.add(prefix)
+    return first + repeated
 
 
 def sample_rows(rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, float, float]]:
@@ -299,6 +313,8 @@ class HFEngine:
                 break
         if joining:
             first = len(self.running)
+            if self.cache.enabled:  # identical prefixes then share one prefill (_prefill)
+                joining = _distinct_prefixes_first(joining)
             self.running += joining
             logits = self._prefill(first, joining)
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.nbytes)
@@ -336,7 +352,10 @@ class HFEngine:
 
     def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
         """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
-        least the last token) through the model; returns the logits (k, V) of the last tokens."""
+        least the last token) through the model; returns the logits (k, V) of the last tokens.
+        With the prefix cache on, rows whose prefix an earlier row of ``rows`` has
+        (``_distinct_prefixes_first`` put them last) compute nothing: they copy that row's KV and
+        logits (G samples of one prompt, or n branches of one node, prefill it once)."""
         slots, capacity = first + len(rows), self._capacity(rows)
         if (
             self.max_kv_bytes is not None
@@ -345,8 +364,10 @@ class HFEngine:
         ):
             self.kv.shrink(slots)  # unused slots kept would pass the bound
         self.kv.reserve(slots, capacity)
+        slot_of = {row.request.prefix_ids: first + i for i, row in reversed(list(enumerate(rows)))}
+        distinct = rows[: len(slot_of)] if self.cache.enabled else rows
         new_ids = []
-        for slot, row in enumerate(rows, start=first):
+        for slot, row in enumerate(distinct, start=first):
             prefix = row.request.prefix_ids
             match = self.cache.match(prefix[:-1])
             at = 0
@@ -357,13 +378,25 @@ class HFEngine:
             new_ids.append(prefix[match.length :])
             self.cache.stats.prefill_tokens += len(prefix) - match.length
             self.cache.stats.cached_tokens += match.length
-        starts = torch.tensor([r.cached for r in rows])
+        starts = torch.tensor([r.cached for r in distinct])
         counts = torch.tensor([len(ids) for ids in new_ids])
-        input_ids = torch.full((len(rows), int(counts.max())), self.pad_token_id)
+        input_ids = torch.full((len(distinct), int(counts.max())), self.pad_token_id)
         for i, ids in enumerate(new_ids):
             input_ids[i, input_ids.shape[1] - len(ids) :] = torch.tensor(ids)
         sizes = (int(counts.sum()), int((starts + counts).sum()))
-        return self._forward("prefill", input_ids, *sizes, *self.kv.begin(first, starts, counts))
+        logits = self._forward("prefill", input_ids, *sizes, *self.kv.begin(first, starts, counts))
+        sources = [slot_of[row.request.prefix_ids] for row in rows[len(distinct) :]]
+        for slot, (row, source) in enumerate(
+            zip(rows[len(distinct) :], sources, strict=True), start=first + len(distinct)
+        ):
+            original = self.running[source]
+            self.kv.move(source, slot, original.length)
+            row.cached, row.length = original.cached, original.length
+            row.shared = original.length - original.cached
+            stats = self.cache.stats  # served whole without computing: a lookup that hit
+            stats.lookups, stats.hits = stats.lookups + 1, stats.hits + 1
+            stats.cached_tokens += original.length
+        return torch.cat([logits, logits[[s - first for s in sources]]])
 
     def _decode(self) -> None:
         """Feed every running row its last sampled token and draw the next one."""

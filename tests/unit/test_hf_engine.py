@@ -136,3 +136,27 @@ def test_max_model_len_ends_rows_there_and_bounds_the_slots():
     assert result.finish_reason == "context" and len(result.token_ids) == 16 - 10
     assert result.token_ids == free.token_ids[:6]
     assert capped.kv.capacity <= 17
+
+
+def test_samples_of_one_prefix_joining_together_prefill_it_once():
+    """Six samples of one prompt and one other request join in one prefill: the prompt is
+    computed once, the copies take its KV and logits, and every request gets the tokens and
+    log-probs it gets alone (its own seed)."""
+    model = build_tiny_model(TinyModelConfig(num_layers=2), vocab_size=VOCAB, seed=2).eval()
+    prompt, other = tuple(range(3, 15)), (7, 8, 9, 10)
+    requests = [
+        GenerationRequest(prompt, SamplingParams(1.0, 1.0, 6, seed=20 + i)) for i in range(6)
+    ]
+    requests.insert(2, GenerationRequest(other, SamplingParams(1.0, 1.0, 6, seed=30)))
+    engine = HFEngine(model, pad_token_id=0, cache_bytes=2**20)
+    together = engine.generate(requests)
+    assert sum(r.prefill_tokens for r in together) == len(prompt) + len(other)
+    assert [r.cached_tokens for r in together] == [0, len(prompt), 0] + [len(prompt)] * 4
+    for request, got in zip(requests, together, strict=True):
+        alone = HFEngine(model, pad_token_id=0, cache_bytes=2**20).generate([request])[0]
+        assert got.token_ids == alone.token_ids
+        torch.testing.assert_close(
+            torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
+        )
+    stats = engine.cache_stats()
+    assert (stats["lookups"], stats["hits"]) == (7, 5)
