@@ -301,10 +301,10 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
             out["logprobs"].append(logprobs[g * s.group + k])
         return out
 
-    def reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    def reward(completion_ids: list[list[int]], **_: Any) -> list[float | None]:
         return [stand_in_reward(c) for c in completion_ids]
 
-    trainer = GRPOTrainer(
+    trainer: Any = GRPOTrainer(  # it carries the sequences and the clock (peer_*)
         model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
         reward_funcs=reward,
         args=args,
@@ -312,7 +312,7 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
         processing_class=tokenizer,
         peft_config=LoraConfig(
             r=lora.rank,
-            lora_alpha=lora.alpha,
+            lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft scales by alpha / r: a float works
             lora_dropout=0.0,
             target_modules=list(lora.target_modules),
             task_type="CAUSAL_LM",
@@ -373,34 +373,24 @@ def run_peer(
     report = PeerReport(s, versions(), roofline())
     with tempfile.TemporaryDirectory() as workdir:
         trainer = trl_trainer(cfg, path, s, workdir)
-        temperature = cfg.sampling.temperature
         for name, prompts in (("short", w.short), ("long", w.long)):
-            runs: dict[str, list[dict[str, float]]] = {"trl": [], "ours": []}
-            for r in range(s.repeats):
-                trl = trl_generation(trainer, prompts, s)
-                ours = our_generation(worker, prompts, s, w, temperature, seed=1000 * r)
-                for key, g in (("trl", trl), ("ours", ours)):
-                    runs[key].append(_generation_row(g))
-                progress(
-                    f"generation {name} {r + 1}/{s.repeats}: TRL {runs['trl'][-1]}, "
-                    f"ours {runs['ours'][-1]}"
-                )
-            report.generation[name] = runs
-        shared = our_generation(worker, w.long, s, w, temperature, seed=7)
-        trees = trees_of(w.long, shared, s)
+            report.generation[name] = _generations(trainer, worker, prompts, s, w, cfg, progress)
+        shared = our_generation(worker, w.long, s, w, cfg.sampling.temperature, seed=7)
         report.learner = {"trl": [], "ours": []}
         for r in range(s.repeats):
             learner = Learner.from_config(cfg, path)
             copy_adapter(learner.model, trainer.model)
-            trl = trl_learner_step(trainer, w.long, shared)
-            ours = our_learner_step(learner, trees)
-            report.learner["trl"].append(asdict(trl))
-            report.learner["ours"].append(asdict(ours))
-            progress(f"learner {r + 1}/{s.repeats}: TRL {asdict(trl)}, ours {asdict(ours)}")
+            steps = {
+                "trl": trl_learner_step(trainer, w.long, shared),
+                "ours": our_learner_step(learner, trees_of(w.long, shared, s)),
+            }
+            for key, step in steps.items():
+                report.learner[key].append(asdict(step))
+            progress(f"learner {r + 1}/{s.repeats}: " + _pair(report.learner))
         report.update = {
             key: [
-                g["seconds"] + l_["seconds"]
-                for g, l_ in zip(report.generation["long"][key], report.learner[key], strict=True)
+                g["seconds"] + step["seconds"]
+                for g, step in zip(report.generation["long"][key], report.learner[key], strict=True)
             ]
             for key in ("trl", "ours")
         }
@@ -409,6 +399,32 @@ def run_peer(
         (out / "results.json").write_text(json.dumps(asdict(report), indent=2))
         (out / "table.md").write_text(table(report) + "\n")
     return report
+
+
+def _generations(
+    trainer: Any,
+    worker: Any,
+    prompts: list[list[int]],
+    s: PeerSettings,
+    w: Workload,
+    cfg: JobConfig,
+    progress: Callable[[str], None],
+) -> dict[str, list[dict[str, float]]]:
+    """``s.repeats`` generations of ``prompts`` by TRL and by ours, alternating."""
+    runs: dict[str, list[dict[str, float]]] = {"trl": [], "ours": []}
+    for r in range(s.repeats):
+        runs["trl"].append(_generation_row(trl_generation(trainer, prompts, s)))
+        ours = our_generation(worker, prompts, s, w, cfg.sampling.temperature, seed=1000 * r)
+        runs["ours"].append(_generation_row(ours))
+        progress(f"generation ({len(prompts[0])}-token prompt) {r + 1}/{s.repeats}: " + _pair(runs))
+    return runs
+
+
+def _pair(runs: dict[str, list[dict[str, float]]]) -> str:
+    return ", ".join(
+        f"{key} " + " ".join(f"{k}={v:.4g}" for k, v in rows[-1].items())
+        for key, rows in runs.items()
+    )
 
 
 def _generation_row(g: Generated) -> dict[str, float]:

@@ -140,11 +140,11 @@ def test_the_expected_worker_scales_the_load_to_the_lease_and_the_evaluation():
     lease = expected_rollout_worker(cfg, sizes, 1, load, evaluation=False)
     terms = {t.what: t.nbytes for t in lease.terms}
     assert terms["prefix cache fill"] == 12 * 24 // 2 * 1024  # unique tokens a leaf, 12 leaves
-    assert terms["running rows' KV"] == 12 * 28 * 1024  # 12 slots of 1.5 x 19 columns
+    assert terms["running rows' KV"] == 12 * 23 * 1024  # 12 slots of 1.25 x 19 columns
     assert "freed memory glibc keeps (cache churn)" not in terms  # the cache never evicts
     evaluated = {t.what: t.nbytes for t in expected_rollout_worker(cfg, sizes, 1, load).terms}
     assert evaluated["prefix cache fill"] == 100 * 34 // 2 * 1024  # 100 chains, flat paths
-    assert evaluated["running rows' KV"] == 64 * 28 * 1024  # max_num_seqs of the 100 at once
+    assert evaluated["running rows' KV"] == 64 * 23 * 1024  # max_num_seqs of the 100 at once
     settings["engine"]["cache_bytes"] = 10**6
     evicting = JobConfig.model_validate(settings)
     terms = {t.what: t.nbytes for t in expected_rollout_worker(evicting, sizes, 1, load).terms}
