@@ -577,6 +577,12 @@ class TrainConfig(_Section):
         1024, gt=0, description="Held-out questions in the evaluations before and after training."
     )
     output_dir: str = Field("runs", description="Runs are written to OUTPUT_DIR/NAME.")
+    queue_timeout_s: float = Field(
+        3600,
+        gt=0,
+        description="The longest the learner waits for the next tree batch; then the run stops "
+        "(its last state checkpointed) saying the rollouts stalled.",
+    )
 
 
 class ClusterConfig(_Section):
@@ -812,6 +818,7 @@ RESUMABLE_CHANGES = (
     "train.eval_questions",
     "train.checkpoint_every",
     "train.save_trees_every",
+    "train.queue_timeout_s",
     "ppo.lr",
     "ppo.grad_clip",
     "ppo.micro_batch_tokens",

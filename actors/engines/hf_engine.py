@@ -103,7 +103,8 @@ def _distinct_prefixes_first(rows: list[_Row]) -> list[_Row]:
     """``rows`` with the first row of each distinct prefix first (in order), the rows repeating
     an earlier prefix after them (in order)."""
     seen: set[tuple[int, ...]] = set()
-    first, repeated = [], []
+    first: list[_Row] = []
+    repeated: list[_Row] = []
     for row in rows:
         prefix = row.request.prefix_ids
         (repeated if prefix in seen else first).append(row)

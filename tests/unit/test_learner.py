@@ -1,6 +1,7 @@
 """The learner in-process: a PPO update on real trees from the tiny policy."""
 
 import math
+from queue import Empty
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.envs.multihop import MultihopTask
+from treegrpo_ray.errors import TrainingStopped
 from treegrpo_ray.learners.learner import Learner, token_logprobs
 from treegrpo_ray.packing import pack_trees
 from treegrpo_ray.tree import BatchInfo, trees_from_arrow
@@ -90,7 +92,9 @@ class ListQueue:
     def __init__(self, tables):
         self.tables = list(tables)
 
-    def get(self):
+    def get(self, timeout=None):
+        if not self.tables:
+            raise Empty  # as queue.Queue does once ``timeout`` has passed
         return self.tables.pop(0)
 
 
@@ -138,8 +142,16 @@ def test_pull_batch_refuses_trees_older_than_the_lag():
     assert queue.tables == []
 
 
+def test_pull_batch_stops_training_when_no_trees_arrive_in_time():
+    from treegrpo_ray.learners.learner import pull_batch
+
+    with pytest.raises(TrainingStopped, match=r"no trees arrived for 5 s \(update 6 had 2 of 4"):
+        pull_batch(
+            ListQueue([_table(5, [0, 1])]), groups_needed=4, version=5, max_lag=0, timeout_s=5
+        )
+
+
 def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tiny_cfg, tiny_policy):
-    from treegrpo_ray.errors import TrainingStopped
 
     trees = _trees(tiny_cfg, tiny_policy, prompts=2)
     poisoned = _trees(tiny_cfg, tiny_policy, prompts=2)
