@@ -1,0 +1,24 @@
+"""Lint in the test command (and so in CI): ruff over the checkout, mypy over the core package."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy", "treegrpo_ray"]],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
+def test_the_checkout_is_lint_clean(command):
+    if shutil.which(command[0]) is None:
+        pytest.skip(f"{command[0]} is not installed (the dev extra)")
+    done = subprocess.run(
+        [sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
