@@ -47,9 +47,6 @@ from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.stops import StopStrings
 from treegrpo_ray.tree import ROOT, Tree
 
-PEER = "trl"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 @dataclass(frozen=True)
 class PeerSettings:
@@ -94,12 +91,14 @@ class Workload:
 
     short: list[list[int]]
     long: list[list[int]]
-    eos_id: int
     eos_text: str
 
 
 @dataclass
 class PeerReport:
+    """Every run of every measurement (generation by prompt set, learner, whole update), by
+    trainer (``trl``, ``ours``), with the versions and the machine's figures of the run."""
+
     settings: PeerSettings
     versions: dict[str, str]
     roofline: dict[str, float]
@@ -133,8 +132,7 @@ def workload(cfg: JobConfig, tokenizer: Any, count: int) -> Workload:
         turn = tokenizer.encode(action + step.observation, add_special_tokens=False)
         short.append(ids)
         long.append(ids + list(turn))
-    eos = tokenizer.eos_token_id
-    return Workload(short, long, eos, tokenizer.decode([eos]))
+    return Workload(short, long, tokenizer.decode([tokenizer.eos_token_id]))
 
 
 def our_generation(
