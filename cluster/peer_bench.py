@@ -37,15 +37,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the CLI imports this module to build its parser: torch etc. load lazily
+    import torch
 
-from treegrpo_ray.config import JobConfig, load_config
-from treegrpo_ray.engine import GenerationRequest, SamplingParams
-from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.stops import StopStrings
-from treegrpo_ray.tree import ROOT, Tree
+    from treegrpo_ray.config import JobConfig
+    from treegrpo_ray.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -144,6 +142,9 @@ def our_generation(
     seed: int,
 ) -> Generated:
     """``s.group`` samples of each prompt from ``worker``'s engine, seeded per request."""
+    from treegrpo_ray.engine import GenerationRequest, SamplingParams
+    from treegrpo_ray.stops import StopStrings
+
     engine = worker.engine
     engine.cache.reset(engine.cache.version)  # nothing cached from an earlier call
     stop = StopStrings((w.eos_text,), worker.tokenizer.decode)
@@ -175,6 +176,8 @@ def trl_generation(trainer: Any, prompts: list[list[int]], s: PeerSettings) -> G
 
 def trees_of(prompts: list[list[int]], generated: Generated, s: PeerSettings) -> list[Tree]:
     """One tree per prompt whose leaves are its ``s.group`` completions (rewards: the stand-in)."""
+    from treegrpo_ray.tree import ROOT, Tree
+
     trees = []
     assert generated.logprobs is not None
     for g, prompt in enumerate(prompts):
@@ -218,6 +221,8 @@ class _StepClock:
     (the reference) took."""
 
     def __init__(self, trainer: Any):
+        import torch
+
         self.steps: list[float] = []
         self.reference: list[float] = []
         self._start = 0.0
@@ -245,6 +250,10 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
     """A ``GRPOTrainer`` on the policy at ``model_path`` with the preset's LoRA, sampling, KL and
     learning rate; its rollouts are whatever ``trainer.peer_sequences`` holds (prompt ids and
     completions, prompt-major), rewarded with the stand-in."""
+    import torch
+
+    from treegrpo_ray.errors import UserInputError
+
     try:
         from datasets import Dataset
         from peft import LoraConfig
@@ -357,7 +366,10 @@ def run_peer(
     s: PeerSettings, out: Path | None = None, progress: Callable[[str], None] = print
 ) -> PeerReport:
     """Every measurement of the module docstring; written to ``out`` (JSON and a table)."""
+    import torch
+
     from treegrpo_ray.actors.rollout_worker import RolloutWorker
+    from treegrpo_ray.config import load_config
     from treegrpo_ray.learners.learner import Learner
     from treegrpo_ray.learners.policies import resolve_model_path
 
@@ -436,6 +448,7 @@ def _generation_row(g: Generated) -> dict[str, float]:
 
 def versions() -> dict[str, str]:
     import peft
+    import torch
     import transformers
 
     found = {
@@ -455,6 +468,8 @@ def versions() -> dict[str, str]:
 
 def roofline() -> dict[str, float]:
     """The machine's copy bandwidth (GB/s) and float32 matmul rate (GFLOP/s), measured now."""
+    import torch
+
     x = torch.empty(64 * 2**20 // 4)
     y = torch.empty_like(x)
     copies = []
