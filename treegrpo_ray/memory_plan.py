@@ -140,6 +140,12 @@ def _rollout_worker_base(cfg: JobConfig, sizes: ModelSizes) -> list[Term]:
     return terms
 
 
+def _churn_term(cfg: JobConfig) -> Term:
+    """The freed memory glibc keeps as the prefix cache churns, at most the cache's budget."""
+    churn = min(kept_free_bytes(), cfg.engine.cache_bytes)
+    return Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes")
+
+
 def _slot_positions(cfg: JobConfig, sizes: ModelSizes) -> int:
     """Columns a KV slot may reach: ``engine.max_model_len`` (or the model's context) + scratch."""
     return min(sizes.max_positions, cfg.engine.max_model_len or sizes.max_positions) + 1
@@ -156,8 +162,7 @@ def rollout_worker_plan(cfg: JobConfig, sizes: ModelSizes, workers_on_node: int)
     setting = "engine.max_kv_bytes" if kv < slots else "engine.max_num_seqs x max_model_len"
     terms.append(Term("running rows' KV bound", kv, setting))
     if engine.prefix_cache:
-        churn = min(kept_free_bytes(), engine.cache_bytes)
-        terms.append(Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes"))
+        terms.append(_churn_term(cfg))
     return ProcessPlan("rollout worker", workers_on_node, tuple(terms))
 
 
@@ -220,8 +225,7 @@ def expected_rollout_worker(
     kv = min(engine.kv_budget(workers_on_node), slots)
     terms.append(Term("running rows' KV", kv, "engine.max_kv_bytes, engine.max_num_seqs"))
     if evicting:
-        churn = min(kept_free_bytes(), engine.cache_bytes)
-        terms.append(Term("freed memory glibc keeps (cache churn)", churn, "engine.cache_bytes"))
+        terms.append(_churn_term(cfg))
     return ProcessPlan("rollout worker (expected at this load)", workers_on_node, tuple(terms))
 
 

@@ -99,9 +99,9 @@ class _Row:
         )
 
 
-def _distinct_prefixes_first(rows: list[_Row]) -> list[_Row]:
+def _distinct_prefixes_first(rows: list[_Row]) -> tuple[list[_Row], int]:
     """``rows`` with the first row of each distinct prefix first (in order), the rows repeating
-    an earlier prefix after them (in order)."""
+    an earlier prefix after them (in order); and how many are distinct."""
     seen: set[tuple[int, ...]] = set()
     first: list[_Row] = []
     repeated: list[_Row] = []
@@ -109,7 +109,7 @@ def _distinct_prefixes_first(rows: list[_Row]) -> list[_Row]:
         prefix = row.request.prefix_ids
         (repeated if prefix in seen else first).append(row)
         seen.add(prefix)
-    return first + repeated
+    return first + repeated, len(first)
 
 
 def sample_rows(rows: list[_Row], logits: torch.Tensor) -> list[tuple[int, float, float]]:
@@ -313,11 +313,11 @@ class HFEngine:
             else:
                 break
         if joining:
-            first = len(self.running)
+            first, distinct = len(self.running), len(joining)
             if self.cache.enabled:  # identical prefixes then share one prefill (_prefill)
-                joining = _distinct_prefixes_first(joining)
+                joining, distinct = _distinct_prefixes_first(joining)
             self.running += joining
-            logits = self._prefill(first, joining)
+            logits = self._prefill(first, joining, distinct)
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.nbytes)
             self._record(joining, logits)
         return refused
@@ -351,12 +351,12 @@ class HFEngine:
         _, capacity = self.kv.grown(slots, self._capacity(joining))
         return self.kv.bytes_for(slots, capacity) <= self.max_kv_bytes
 
-    def _prefill(self, first: int, rows: list[_Row]) -> torch.Tensor:
+    def _prefill(self, first: int, rows: list[_Row], distinct: int) -> torch.Tensor:
         """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
         least the last token) through the model; returns the logits (k, V) of the last tokens.
-        With the prefix cache on, rows whose prefix an earlier row of ``rows`` has
-        (``_distinct_prefixes_first`` put them last) compute nothing: they copy that row's KV and
-        logits (G samples of one prompt, or n branches of one node, prefill it once)."""
+        Only the first ``distinct`` rows compute: each later one repeats the prefix of one of
+        them (``_distinct_prefixes_first``) and copies its KV and logits (G samples of one
+        prompt, or n branches of one node, prefill it once)."""
         slots, capacity = first + len(rows), self._capacity(rows)
         if (
             self.max_kv_bytes is not None
@@ -365,10 +365,9 @@ class HFEngine:
         ):
             self.kv.shrink(slots)  # unused slots kept would pass the bound
         self.kv.reserve(slots, capacity)
-        slot_of = {row.request.prefix_ids: first + i for i, row in reversed(list(enumerate(rows)))}
-        distinct = rows[: len(slot_of)] if self.cache.enabled else rows
+        computed = rows[:distinct]
         new_ids = []
-        for slot, row in enumerate(distinct, start=first):
+        for slot, row in enumerate(computed, start=first):
             prefix = row.request.prefix_ids
             match = self.cache.match(prefix[:-1])
             at = 0
@@ -379,16 +378,17 @@ class HFEngine:
             new_ids.append(prefix[match.length :])
             self.cache.stats.prefill_tokens += len(prefix) - match.length
             self.cache.stats.cached_tokens += match.length
-        starts = torch.tensor([r.cached for r in distinct])
+        starts = torch.tensor([r.cached for r in computed])
         counts = torch.tensor([len(ids) for ids in new_ids])
-        input_ids = torch.full((len(distinct), int(counts.max())), self.pad_token_id)
+        input_ids = torch.full((distinct, int(counts.max())), self.pad_token_id)
         for i, ids in enumerate(new_ids):
             input_ids[i, input_ids.shape[1] - len(ids) :] = torch.tensor(ids)
         sizes = (int(counts.sum()), int((starts + counts).sum()))
         logits = self._forward("prefill", input_ids, *sizes, *self.kv.begin(first, starts, counts))
-        sources = [slot_of[row.request.prefix_ids] for row in rows[len(distinct) :]]
+        slot_of = {row.request.prefix_ids: slot for slot, row in enumerate(computed, start=first)}
+        sources = [slot_of[row.request.prefix_ids] for row in rows[distinct:]]
         for slot, (row, source) in enumerate(
-            zip(rows[len(distinct) :], sources, strict=True), start=first + len(distinct)
+            zip(rows[distinct:], sources, strict=True), start=first + distinct
         ):
             original = self.running[source]
             self.kv.move(source, slot, original.length)
