@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
             "peer", help="our engine and learner beside TRL's GRPOTrainer (extra: peer)"
         )
     )
+    from treegrpo_ray.cluster import profile_bench
+
+    profile_bench.add_arguments(
+        bench.add_parser("profile", help="branch-value profile: where outcomes are decided")
+    )
     add_job_commands(sub)
     return parser
 
@@ -118,6 +123,10 @@ def _run(args: argparse.Namespace) -> int:
             from treegrpo_ray.cluster.peer_bench import run_from_args as run_peer
 
             return run_peer(args)
+        if args.suite == "profile":
+            from treegrpo_ray.cluster.profile_bench import run_from_args as run_profile
+
+            return run_profile(args)
         from treegrpo_ray.cluster.budget_suite import run_from_args
 
         return run_from_args(args)

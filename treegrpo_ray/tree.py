@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,16 @@ class Tree:
             node.node_id = new_ids[node.node_id]
             node.parent_id = ROOT if node.parent_id == ROOT else new_ids[node.parent_id]
         self.nodes = kept
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share (token ids, or node ids along two paths)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def trees_to_arrow(trees: list[Tree], info: BatchInfo | None) -> pa.Table:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treegrpo_ray.tree import common_prefix_length
+
 logger = logging.getLogger(__name__)
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -87,15 +89,6 @@ class _Node:
         self.children = {tail.tokens[0]: tail}
 
 
-def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class PrefixCache:
     """Longest-prefix KV lookup over token ids with an LRU memory budget of ``max_bytes``.
 
@@ -125,7 +118,7 @@ class PrefixCache:
             child = node.children.get(ids[found.length])
             if child is None:
                 break
-            common = _common_length(child.tokens, ids[found.length :])
+            common = common_prefix_length(child.tokens, ids[found.length :])
             child.last_used = next(self._clock)
             found.pieces.append([(k[:, :common], v[:, :common]) for k, v in child.kv])
             found.length += common
@@ -149,7 +142,7 @@ class PrefixCache:
                         node, ids[at:], [(k[:, at - start :], v[:, at - start :]) for k, v in kv]
                     )
                 return
-            common = _common_length(child.tokens, ids[at:])
+            common = common_prefix_length(child.tokens, ids[at:])
             if common < len(child.tokens):
                 child.split(common)
             child.last_used = next(self._clock)

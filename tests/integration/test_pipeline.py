@@ -91,6 +91,20 @@ def test_two_updates_change_every_parameter_and_reach_the_workers(
         assert meta["metrics"]["budget/tool_calls"] == record["budget/tool_calls"]
 
 
+def test_profile_reads_the_runs_saved_trees(two_step_run, tmp_path):
+    cfg, _ = two_step_run(1)
+    assert main(["bench", "profile", "--run", str(cfg.run_dir), "--out", str(tmp_path)]) == 0
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    records = [
+        json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert profile["prompts"] == sum(r["tree/groups"] for r in records)
+    assert profile["leaves"] == sum(r["tree/leaves"] for r in records)
+    # the profile's own count of prompts whose leaves differ is the run's metric
+    shares = [r["tree/groups_with_variance"] * r["tree/groups"] for r in records]
+    assert profile["share_in_data"] == pytest.approx(sum(shares) / profile["prompts"])
+
+
 # Not a function of the seed: wall-clock times, the prefix-cache counters (the cache is not
 # checkpointed: the uninterrupted run's cache still held the step-1 evaluation's prefixes), and the
 # engine's float figures over prefixes served from that cache (its sampling entropies, which agree
