@@ -21,8 +21,14 @@ from treegrpo_ray.budget_stats import detectable_difference, matched_difference,
 
 METRICS = ("greedy_em", "sampled_em")
 SIGNALS = ("groups_with_variance", "train_reward")  # per run, the mean over its updates
-# matching -> the cost the curves are matched on (None: the final evaluations, equal updates)
-MATCHINGS = {"updates": None, "tokens": "generated_tokens", "wall": "train_seconds"}
+# matching -> the costs (summed) the curves are matched on (None: the final evaluations, equal
+# updates); "compute": generated tokens plus the prefill tokens the engine computed
+MATCHINGS: dict[str, tuple[str, ...] | None] = {
+    "updates": None,
+    "tokens": ("generated_tokens",),
+    "compute": ("generated_tokens", "prefill_tokens"),
+    "wall": ("train_seconds",),
+}
 PAIRS_KEY = "pairs"
 SELECTION_KEY = "selection"  # selection arm vs its uniform tree and chains
 
@@ -59,15 +65,18 @@ def arm_summary(runs: dict[int, dict]) -> dict[str, Any]:
         {
             "step": points[0]["step"],
             "generated_tokens": statistics.fmean(p["generated_tokens"] for p in points),
-            **{m: statistics.fmean(p[m] for p in points) for m in METRICS},
+            **{m: statistics.fmean(p[m] for p in points) for m in METRICS if m in points[0]},
         }
         for points in zip(*(r["points"] for r in runs.values()), strict=True)
     ]
     return out
 
 
-def _curve(record: dict, cost: str, metric: str) -> tuple[list[float], list[float]]:
-    return [p[cost] for p in record["points"]], [p[metric] for p in record["points"]]
+def _curve(record: dict, costs: tuple[str, ...], metric: str) -> tuple[list[float], list[float]]:
+    """(cost, metric) along a run's evaluations that measured ``metric`` (a suite may evaluate
+    sampled EM only at the start and the end)."""
+    points = [p for p in record["points"] if metric in p]
+    return [sum(p[c] for c in costs) for p in points], [p[metric] for p in points]
 
 
 def _paired(diffs: list[float]) -> dict[str, Any]:

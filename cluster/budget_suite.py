@@ -27,6 +27,9 @@ also records the planner's share of its rollout wall time (selection and allocat
 
 Runs go to OUT/runs/START/ARM/seedN.json as they finish; a rerun skips those that exist, so a
 stopped suite loses nothing. Then OUT/results.json, OUT/results.md and OUT/budget_efficiency.png.
+A preset may have a suite of its own (``SUITES``): ``--preset smollm2-135m-search-qa`` runs the
+real-model suite pre-registered in the README, whose runs keep their trees in
+OUT/saved/START/ARM/seedN (``treegrpo trees`` and ``treegrpo bench profile --run`` open them).
 
     treegrpo bench budget [--quick] [--preset tiny-multihop] [--out DIR] [--workers 2]
                           [--steps N] [--seeds N] [--arms chain-2,tree-1x2x1] [--starts low]
@@ -165,6 +168,9 @@ class Settings:
     starts: dict[str, tuple[str, ...]]
     arms: tuple[str, ...] = tuple(a.name for a in PAPER_ARMS)
     eval_fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    sampled_along: bool = True  # sampled EM at every evaluation (False: warm start and end only)
+    save_trees_every: int = 0  # runs keep the trees of these updates (0: none)
+    headline_arms: tuple[str, ...] = HEADLINE_ARMS  # the arms given headline_seeds (low start)
 
 
 LOW_START = ("warmstart.steps=400",)  # measured: greedy 63%, sampled 12.6% held-out EM
@@ -178,6 +184,26 @@ FULL = Settings(
     starts={"standard": (), "low": LOW_START},
 )
 QUICK = replace(FULL, steps=4, seeds=1, headline_seeds=1, eval_questions=128, eval_samples=1)
+# The real-model suite (issue 28, pre-registered in the README): the preset's own protocol warm
+# start (10 steps; measured greedy 5.0%, sampled 7.5% held-out EM), the budget-2 and budget-4
+# arms, 6 seeds for the headline pair and 3 for the others, every held-out question, greedy EM at
+# 75% of the updates (near where matched tokens are read) and greedy and sampled EM at the start
+# and the end, every update's trees kept.
+SMOLLM2 = Settings(
+    steps=8,
+    prompts_per_step=4,
+    seeds=3,
+    headline_seeds=6,
+    eval_questions=200,
+    eval_samples=1,
+    starts={"low": ()},
+    arms=("chain-2", "chain-3", "tree-1x2x1", "chain-4", "tree-2x2x1"),
+    eval_fractions=(0.75, 1.0),
+    sampled_along=False,
+    save_trees_every=1,
+    headline_arms=("tree-1x2x1", "chain-2"),
+)
+SUITES = {"smollm2-135m-search-qa": SMOLLM2}  # a preset's own suite; any other runs FULL
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,7 @@ class Job:
             f"train.prompts_per_step={s.prompts_per_step}",
             "train.max_policy_lag=0",
             "cluster.torch_threads=1",
+            f"train.save_trees_every={s.save_trees_every}",
         ]
         return load_config(self.preset, overrides)
 
@@ -216,7 +243,7 @@ def jobs(preset: str, settings: Settings) -> list[Job]:
     out = []
     for start in settings.starts:
         for arm in settings.arms:
-            headline = start == HEADLINE["start"] and arm in HEADLINE_ARMS
+            headline = start == HEADLINE["start"] and arm in settings.headline_arms
             seeds = max(settings.seeds, settings.headline_seeds) if headline else settings.seeds
             out += [Job(preset, start, arm, seed, settings) for seed in range(seeds)]
     return out
@@ -227,32 +254,49 @@ def eval_steps(settings: Settings) -> list[int]:
     return sorted({max(1, round(f * settings.steps)) for f in settings.eval_fractions})
 
 
-def evaluate(run: LocalRun, settings: Settings, final: bool) -> dict[str, float]:
+def evaluate(run: LocalRun, settings: Settings, final: bool, along: bool) -> dict[str, float]:
     """Greedy EM on every held-out question; sampled EM on each question once (``eval_samples``
-    times in the final evaluation: more samples where the headline is read)."""
+    times in the final evaluation: more samples where the headline is read), and only at the
+    start and the end unless ``settings.sampled_along``; ``along``: an evaluation between them."""
+    greedy = {"greedy_em": run.evaluate(settings.eval_questions, temperature=0.0)}
+    if along and not settings.sampled_along:
+        return greedy
     samples = settings.eval_samples if final else 1
     sampled = [
         run.evaluate(settings.eval_questions, run.cfg.sampling.temperature, repeat=k)
         for k in range(samples)
     ]
-    return {
-        "greedy_em": run.evaluate(settings.eval_questions, temperature=0.0),
-        "sampled_em": statistics.fmean(sampled),
-    }
+    return greedy | {"sampled_em": statistics.fmean(sampled)}
 
 
-def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float]:
-    """The evaluation before training: the same for every arm of a (start, seed), so computed by
-    the first of them and read from OUT/warm/START/seedN.json by the others."""
-    path = out / "warm" / job.start / f"seed{job.seed}.json"
+def _stored(path: Path, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``compute()``, kept at ``path`` (JSON) for the runs that ask next."""
     if path.exists():
         return json.loads(path.read_text())
-    result = evaluate(run, job.settings, final=False)
+    result = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")  # runs in parallel may both compute it
     partial.write_text(json.dumps(result))
     partial.replace(path)
     return result
+
+
+def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float]:
+    """The evaluation before training, the same for every arm of a (start, seed): computed by the
+    first of them, read by the others from OUT/warm/START/: ``seedN.json`` (sampled EM) and
+    ``greedy.json`` (greedy decoding of one warm start is the same for every seed)."""
+    questions, temperature = job.settings.eval_questions, run.cfg.sampling.temperature
+    folder = out / "warm" / job.start
+    seed = _stored(
+        folder / f"seed{job.seed}.json",
+        lambda: {"sampled_em": run.evaluate(questions, temperature)},
+    )
+    if "greedy_em" in seed:  # suites recorded before the greedy evaluation was shared
+        return seed
+    greedy = _stored(
+        folder / "greedy.json", lambda: {"greedy_em": run.evaluate(questions, temperature=0.0)}
+    )
+    return greedy | seed
 
 
 def run_job(job: Job, out: Path) -> dict[str, Any]:
@@ -261,8 +305,9 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
     from treegrpo_ray.learners.policies import resolve_model_path
 
     cfg = job.config()
-    run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
     settings = job.settings
+    saved = out / "saved" / job.key if settings.save_trees_every else None
+    run = LocalRun(cfg, resolve_model_path(cfg, progress=False), save_trees_to=saved)
     cost = dict.fromkeys(COSTS, 0.0)  # totals so far
     points = [{"step": 0, "prompts": 0, "train_seconds": 0.0, **cost}]
     points[0].update(warm_start_evaluation(run, job, out))
@@ -280,7 +325,8 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
             prompts = step * settings.prompts_per_step
             point = {"step": step, "prompts": prompts, "train_seconds": run.train_seconds}
             point.update(cost)
-            point.update(evaluate(run, settings, final=step == settings.steps))
+            final = step == settings.steps
+            point.update(evaluate(run, settings, final=final, along=not final))
             points.append(point)
     arm = ARMS[job.arm]
     return {
@@ -389,7 +435,7 @@ def _names(known: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    settings = QUICK if args.quick else FULL
+    settings = QUICK if args.quick else SUITES.get(args.preset, FULL)
     if args.steps:
         settings = replace(settings, steps=args.steps)
     if args.seeds:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,14 +22,18 @@ from treegrpo_ray.actors.schedule import eval_seed, load_task, step_leases, trai
 from treegrpo_ray.config import JobConfig
 from treegrpo_ray.learners.learner import Learner, pull_batch
 from treegrpo_ray.metrics import timed
+from treegrpo_ray.saved_trees import should_save
 
 
 class LocalRun:
     """A training run stepped by the caller: ``step()`` is one update, ``evaluate()`` a
     held-out evaluation of the current policy. ``train_seconds`` counts rollout + update time
-    only (not evaluations), for wall-time matching."""
+    only (not evaluations), for wall-time matching. With ``save_trees_to`` the updates that
+    ``train.save_trees_every`` names keep their trees there, as a job's run directory does
+    (``RUN/trees/step-NNNNNN.parquet``: ``treegrpo trees`` and ``treegrpo bench profile`` read
+    them)."""
 
-    def __init__(self, cfg: JobConfig, model_path: str):
+    def __init__(self, cfg: JobConfig, model_path: str, save_trees_to: Path | None = None):
         if cfg.train.max_policy_lag:
             raise ValueError("LocalRun is synchronous: set train.max_policy_lag=0")
         torch.set_num_threads(cfg.cluster.torch_threads)
@@ -39,6 +44,7 @@ class LocalRun:
         self.worker = RolloutWorker.from_config(cfg, model_path)
         self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0
+        self.save_trees_to = save_trees_to
 
     @property
     def version(self) -> int:
@@ -64,6 +70,9 @@ class LocalRun:
             metrics.update(self.learner.update(trees))
         self.worker.load_weights(self.learner.version, self.learner.engine_state(self.cfg.engine))
         self.train_seconds += time.perf_counter() - started
+        every, version = train.save_trees_every, self.learner.version
+        if self.save_trees_to is not None and should_save(every, version, train.steps):
+            self.learner.save_trees(self.save_trees_to, trees, metrics)
         return metrics
 
     def evaluate(self, questions: int, temperature: float, repeat: int = 0) -> float:

@@ -22,6 +22,7 @@ from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import FIT_THREAD, resume_step, train
 from treegrpo_ray.config import resume_config
+from treegrpo_ray.inspector import load_steps
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.saved_trees import read_saved_trees
@@ -162,10 +163,11 @@ def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path, loss,
     assert _same_tensors(cfg.run_dir / "checkpoint-final", died / "checkpoint-final")
 
 
-def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
-    """``treegrpo_ray.cluster.local_run`` (what the budget suite trains with) takes the job's steps exactly."""
+def test_the_in_process_loop_reproduces_the_ray_job(two_step_run, tmp_path):
+    """``treegrpo_ray.cluster.local_run`` (what the budget suite trains with) takes the job's
+    steps exactly, and keeps the same trees as the job (the inspector opens them)."""
     cfg, summary = two_step_run(learners=1)
-    run = LocalRun(cfg, resolve_model_path(cfg, progress=False))
+    run = LocalRun(cfg, resolve_model_path(cfg, progress=False), save_trees_to=tmp_path)
     assert run.evaluate(cfg.train.final_eval_questions, 1.0) == summary["before/eval/sampled_em"]
     for expected in _read_records(cfg.run_dir):
         got = run.step()
@@ -174,6 +176,11 @@ def test_the_in_process_loop_reproduces_the_ray_job(two_step_run):
         assert len(same) > 20  # tree/, budget/ and learner/ figures, the evaluation
         assert {k: got[k] for k in same} == same
     assert _same_tensors_as(run.learner.model, cfg.run_dir / "checkpoint-final")
+    columns = ["tree_id", "node_id", "parent_id", "action_ids", "advantage", "routed_advantage"]
+    for step in (1, 2):
+        ours, job = (read_saved_trees(d, step)[0].select(columns) for d in (tmp_path, cfg.run_dir))
+        assert ours.to_pylist() == job.to_pylist()
+    assert [v["step"] for v in load_steps(tmp_path, None, None, every_step=True)] == [1, 2]
 
 
 def test_a_run_alongside_another_training_gives_the_same_records(

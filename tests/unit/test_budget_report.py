@@ -72,3 +72,46 @@ def test_the_report_shows_the_selection_table(result):
     table = markdown(result, seconds=60.0)
     assert "| tree-1x2x1-entropy vs tree-1x2x1 | 7.3 ± 1.4 | 1.02 |" in table
     assert "| tree-1x2x1-entropy | 2 | 20.5 |" in table
+
+
+def _run(arm: str, mid: dict, end: dict) -> dict:
+    """A one-seed record: warm start, a greedy-only evaluation halfway, the end."""
+    start = {"step": 0, "prompts": 0, "generated_tokens": 0, "prefill_tokens": 0}
+    start |= {"greedy_em": 0.1, "sampled_em": 0.05, "train_seconds": 0.0}
+    costs = {"tool_calls": 0, "leaves": 0, "train_seconds": 1.0}
+    return {
+        "start": "low",
+        "arm": arm,
+        "method": arm.split("-")[0],
+        "budget": 2,
+        "seed": 0,
+        "seconds_per_update": 1.0,
+        "points": [start, {"step": 1, "prompts": 4, **costs, **mid}, {"step": 2, **costs, **end}],
+    }
+
+
+def test_matched_on_tokens_and_on_compute_with_sampled_em_only_at_the_ends():
+    chain = _run(
+        "chain-2",
+        {"generated_tokens": 100, "prefill_tokens": 100, "greedy_em": 0.3},
+        {"prompts": 8, "generated_tokens": 200, "prefill_tokens": 200, "greedy_em": 0.5}
+        | {"sampled_em": 0.3},
+    )
+    tree = _run(
+        "tree-1x2x1",
+        {"generated_tokens": 120, "prefill_tokens": 80, "greedy_em": 0.2},
+        {"prompts": 8, "generated_tokens": 240, "prefill_tokens": 160, "greedy_em": 0.6}
+        | {"sampled_em": 0.4},
+    )
+    settings = {"starts": {"low": ()}, "preset": "p", "steps": 2, "prompts_per_step": 4}
+    result = aggregate([chain, tree], settings | {"eval_questions": 8, "eval_samples": 1})
+    pair = result["starts"]["low"]["pairs"]["tree-1x2x1 vs chain-2"]
+    # tokens: read at 200; the tree's greedy 0.2 + (80 / 120) * 0.4, its sampled from the
+    # warm start to the end: 0.05 + (200 / 240) * 0.35
+    assert pair["tokens"]["greedy_em"]["mean"] == pytest.approx(0.2 + 0.4 * 80 / 120 - 0.5)
+    assert pair["tokens"]["sampled_em"]["mean"] == pytest.approx(0.05 + 0.35 * 200 / 240 - 0.3)
+    # compute (generated + prefill): both reach 400, read at their ends
+    assert pair["compute"]["at"] == 400
+    assert pair["compute"]["greedy_em"]["mean"] == pytest.approx(0.1)
+    assert pair["compute"]["sampled_em"]["mean"] == pytest.approx(0.1)
+    assert "equal compute" in markdown(result, 60.0)
