@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,7 +197,7 @@ SMOLLM2 = Settings(
     eval_questions=200,
     eval_samples=1,
     starts={"low": ()},
-    arms=("chain-2", "chain-3", "tree-1x2x1", "chain-4", "tree-2x2x1"),
+    arms=("tree-1x2x1", "chain-2", "chain-3", "tree-2x2x1", "chain-4"),
     eval_fractions=(0.75, 1.0),
     sampled_along=False,
     save_trees_every=1,
@@ -304,6 +304,7 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
     from treegrpo_ray.cluster.local_run import LocalRun
     from treegrpo_ray.learners.policies import resolve_model_path
 
+    started = time.perf_counter()
     cfg = job.config()
     settings = job.settings
     saved = out / "saved" / job.key if settings.save_trees_every else None
@@ -338,6 +339,7 @@ def run_job(job: Job, out: Path) -> dict[str, Any]:
         "allocate": arm.allocate,
         "seed": job.seed,
         "seconds_per_update": run.train_seconds / settings.steps,
+        "wall_seconds": time.perf_counter() - started,  # the whole run, evaluations included
         **{name: statistics.fmean(values) for name, values in signal.items()},
         **rollout,
         "planner_share": rollout["planner_seconds"] / max(rollout["rollout_seconds"], 1e-9),
@@ -371,18 +373,19 @@ def run_suite(
     started = time.perf_counter()
     _prepare_warm_starts(preset, settings, log)
     todo = [j for j in jobs(preset, settings) if not (out / "runs" / f"{j.key}.json").exists()]
+    todo.sort(key=lambda j: j.seed)  # seed by seed: a stopped suite leaves complete pairs
     log(f"{len(jobs(preset, settings))} runs, {len(todo)} to do, {workers} at a time")
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        for done, (job, record) in enumerate(
-            zip(todo, pool.map(run_job, todo, [out] * len(todo)), strict=True)
-        ):
+        running = {pool.submit(run_job, job, out): job for job in todo}
+        for done, future in enumerate(as_completed(running), 1):  # kept as each one ends
+            job, record = running[future], future.result()
             path = out / "runs" / f"{job.key}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(record, indent=1))
             final = record["points"][-1]
             log(
-                f"[{done + 1}/{len(todo)}] {job.key}: greedy {100 * final['greedy_em']:.1f} "
+                f"[{done}/{len(todo)}] {job.key}: greedy {100 * final['greedy_em']:.1f} "
                 f"sampled {100 * final['sampled_em']:.1f}, "
                 f"{final['generated_tokens'] / final['prompts']:.0f} tokens/prompt "
                 f"({time.perf_counter() - started:.0f} s)"
