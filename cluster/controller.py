@@ -321,6 +321,7 @@ class Controller:
             raise ValueError(f"rollout_workers must be at least 1, got {rollout_workers}")
         with self.lock:
             active = self.pool.active()
+            self.pool.check_room(rollout_workers - len(active))
             added = [
                 self.pool.add(self.version, self.weights, probe=True)
                 for _ in range(rollout_workers - len(active))

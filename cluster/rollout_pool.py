@@ -90,6 +90,7 @@ class RolloutPool:
         runs, whose placement group may take a while)."""
         worker_id, self.next_id = self.next_id, self.next_id + 1
         options, group = _actor_options(self.cfg)
+        engine = self.cfg.worker_engine()
         handle = (
             ray.remote(RolloutWorker)
             .options(**options)
@@ -98,11 +99,11 @@ class RolloutPool:
                 self.cfg.task,
                 self.cfg.tree,
                 self.cfg.sampling,
-                self.cfg.engine,
+                engine,
                 seed=self.cfg.train.seed + worker_id,
                 torch_threads=self.cfg.cluster.torch_threads,
                 search=self.search,
-                lora=self.cfg.engine.adapter_updates(self.cfg.model.lora.enabled),
+                lora=engine.adapter_updates(self.cfg.model.lora.enabled),
                 prompt_format=self.cfg.model.prompt_format(),
                 workers_on_node=self.workers_per_node,
             )
@@ -116,12 +117,27 @@ class RolloutPool:
 
     def placement_error(self, unplaced: int, timeout: float) -> ValueError:
         """The error for ``unplaced`` workers whose placement group was not reserved in time."""
-        need = {"CPU": self.cfg.cluster.rollout_cpus, **self.cfg.cluster.rollout_resources}
         return ValueError(
             f"{unplaced} new rollout worker(s) could not be placed in {timeout:g} s: each "
-            f"needs {need} and the cluster has {ray.available_resources()} free; add nodes or "
-            "lower cluster.rollout_cpus"
+            f"needs {self.cfg.rollout_worker_resources()} and the cluster has "
+            f"{ray.available_resources()} free; add nodes or lower cluster.rollout_cpus"
         )
+
+    def check_room(self, more: int) -> None:
+        """Refuse at once (ValueError, with the arithmetic) ``more`` workers that the cluster
+        cannot hold even if everything this job does not hold were free: its totals minus what
+        the job reserves with its active workers (a wait could only end at the timeout)."""
+        cfg, active = self.cfg, len(self.active())
+        total, held = ray.cluster_resources(), cfg.required_resources(active)
+        for key, each in cfg.rollout_worker_resources().items():
+            room = total.get(key, 0.0) - held.get(key, 0.0)
+            if more * each > room + 1e-9:
+                raise ValueError(
+                    f"{more} more rollout worker(s) need {more * each:g} {key} ({each:g} each) "
+                    f"but the cluster has {total.get(key, 0.0):g} and this job holds "
+                    f"{held.get(key, 0.0):g} with {active} rollout worker(s): {room:g} left; "
+                    f"add nodes with {key} or scale to fewer workers"
+                )
 
     def sync(self, worker_id: int, version: int, weights: ray.ObjectRef) -> ray.ObjectRef:
         """Send policy ``version`` to a worker (ordered before any later call to it)."""

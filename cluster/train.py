@@ -7,7 +7,6 @@ the controller's step records, and prints a closing summary.
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from typing import Any
 
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from tqdm import tqdm
 
 from treegrpo_ray.cluster.controller import Controller
@@ -49,7 +48,7 @@ FIT_JOIN_TIMEOUT_S = 120  # the longest wait for Ray Train to finish after the r
 def check_engine_installed(cfg: JobConfig) -> None:
     """Refuse ``engine.kind: vllm`` without a vLLM build that can run ``engine.vllm.device``
     (the driver shares its Python environment with the rollout workers: one image per job)."""
-    if cfg.engine.kind != "vllm":
+    if cfg.worker_engine().kind != "vllm":  # the embedded engine (or its simulated_gpus stand-in)
         return
     build, device = installed_vllm_build(), cfg.engine.vllm.device
     if build is None:
@@ -75,7 +74,7 @@ def _connect(cfg: JobConfig) -> bool:
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
         return True
-    need = required_resources(cfg)
+    need = cfg.required_resources()
     init_local_ray(
         num_cpus=math.ceil(need.pop("CPU")),
         num_gpus=math.ceil(need.pop("GPU", 0)),
@@ -88,32 +87,12 @@ def _connect(cfg: JobConfig) -> bool:
     return True
 
 
-def required_resources(cfg: JobConfig) -> dict[str, float]:
-    """Ray resources the job reserves: rollout pool plus learner group (vLLM GPUs included)."""
-    cluster = cfg.cluster
-    need: dict[str, float] = collections.Counter()
-    pools = (
-        (cluster.rollout_workers, {"CPU": cluster.rollout_cpus, "GPU": cfg.engine.rollout_gpus()}),
-        (cluster.learner_workers, {"CPU": cluster.learner_cpus, "GPU": cluster.learner_gpus}),
-    )
-    for count, per_worker in pools:
-        for key, amount in per_worker.items():
-            need[key] += count * amount
-    for key, amount in cluster.rollout_resources.items():
-        need[key] += cluster.rollout_workers * amount
-    for key, amount in cluster.learner_resources.items():
-        need[key] += cluster.learner_workers * amount
-    if cfg.task.name == "search_qa":
-        need["CPU"] += cluster.retriever_cpus
-    return {key: amount for key, amount in need.items() if amount or key == "CPU"}
-
-
 def check_resources(cfg: JobConfig) -> None:
     """Refuse a config that asks for more of a resource than the whole cluster has, or whose GPU
     workers (a TP group, a learner rank) need more GPUs on one node than any node has left:
     Ray would wait for them forever."""
     have = ray.cluster_resources()
-    for key, amount in required_resources(cfg).items():
+    for key, amount in cfg.required_resources().items():
         if amount > have.get(key, 0.0) + 1e-9:
             raise UserInputError(
                 f"the config asks for {amount:g} {key} (rollout and learner workers together) but "
@@ -300,6 +279,8 @@ def train(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
             scaling_config=_learner_scaling(cfg),
+            # simulated GPUs have no NCCL: the ranks talk over gloo, as on CPU nodes
+            torch_config=TorchConfig(backend="gloo") if cfg.cluster.simulated_gpus else None,
             run_config=RunConfig(
                 name=cfg.name,
                 storage_path=str((cfg.run_dir / "ray_train").resolve()),

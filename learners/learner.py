@@ -672,8 +672,9 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(cfg.cluster.torch_threads)
     queue = ray.get(controller.get_queue.remote())
     # this worker's GPU when cluster.learner_gpus > 0 (Ray Train made it the current device), else
-    # the CPU
-    device = ray.train.torch.get_device()
+    # the CPU; simulated GPUs are accounted by Ray only
+    simulated = cfg.cluster.simulated_gpus
+    device = torch.device("cpu") if simulated else ray.train.torch.get_device()
     learner = Learner.from_config(cfg, config["model_path"], device)
     first = learner.rank == 0
     here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
@@ -682,7 +683,7 @@ def train_loop_per_worker(config: dict) -> None:
     if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint
         learner.load_state_dict(load_checkpoint(latest))
     if first and (latest is not None or restarted):
-        weights = ray.put(learner.engine_state(cfg.engine))
+        weights = ray.put(learner.engine_state(cfg.worker_engine()))
         ray.get(controller.restore.remote(learner.version, [weights]))
     cycle_start, publish_s = time.perf_counter(), 0.0
     while learner.version < cfg.train.steps:
@@ -722,7 +723,7 @@ def train_loop_per_worker(config: dict) -> None:
             idle = metrics["queue/wait_s"] + publish_s
             metrics["learner/idle_frac"] = idle / (time.perf_counter() - cycle_start)
             cycle_start = time.perf_counter()
-            weights = ray.put(learner.engine_state(cfg.engine))
+            weights = ray.put(learner.engine_state(cfg.worker_engine()))
             groups = sorted({t.group_id for t in trees})
             ray.get(controller.publish.remote(learner.version, [weights], metrics, groups))
             publish_s = time.perf_counter() - cycle_start

@@ -9,6 +9,7 @@ in ``RESUMABLE_CHANGES``.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import os
@@ -627,6 +628,14 @@ class ClusterConfig(_Section):
         "worker's replacement redoes); null: prompts_per_step / rollout_workers. Must divide "
         "train.prompts_per_step.",
     )
+    simulated_gpus: bool = Field(
+        False,
+        description="For placement tests on machines without GPUs, never for a real run: Ray "
+        "places and accounts every GPU the config asks for (learner ranks, vLLM engines and "
+        "their tensor-parallel bundles) on nodes that declare GPUs they lack (ray start "
+        "--num-gpus), while the work runs on CPUs: learners on gloo, and the embedded engine "
+        "standing in for vLLM on a rollout worker.",
+    )
 
 
 class JobConfig(_Section):
@@ -640,6 +649,38 @@ class JobConfig(_Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    def worker_engine(self) -> EngineConfig:
+        """The engine rollout workers run (and the learner ships weights for): ``engine``, or,
+        under ``cluster.simulated_gpus``, the embedded engine standing in for a GPU vLLM engine
+        (Ray still places the worker as that vLLM engine: ``engine.rollout_gpus``)."""
+        if self.cluster.simulated_gpus and self.engine.rollout_gpus():
+            return self.engine.model_copy(update={"kind": "hf"})
+        return self.engine
+
+    def rollout_worker_resources(self) -> dict[str, float]:
+        """The Ray resources one rollout worker reserves (its vLLM engine's GPUs included)."""
+        need = {"CPU": self.cluster.rollout_cpus, **self.cluster.rollout_resources}
+        if gpus := self.engine.rollout_gpus():
+            need["GPU"] = gpus
+        return need
+
+    def required_resources(self, rollout_workers: int | None = None) -> dict[str, float]:
+        """Ray resources the job reserves: ``rollout_workers`` (default
+        ``cluster.rollout_workers``) rollout workers, the learner group, the retriever."""
+        cluster = self.cluster
+        workers = cluster.rollout_workers if rollout_workers is None else rollout_workers
+        need: dict[str, float] = collections.defaultdict(float)
+        learner = {"CPU": cluster.learner_cpus, "GPU": cluster.learner_gpus}
+        for count, per_worker in (
+            (workers, self.rollout_worker_resources()),
+            (cluster.learner_workers, {**learner, **cluster.learner_resources}),
+        ):
+            for key, amount in per_worker.items():
+                need[key] += count * amount
+        if self.task.name == "search_qa":
+            need["CPU"] += cluster.retriever_cpus
+        return {key: amount for key, amount in need.items() if amount or key == "CPU"}
 
     def rollout_workers_per_node(self, node_cpus: float) -> int:
         """The most rollout workers a node of ``node_cpus`` CPUs holds in this job."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from treegrpo_ray.cluster.cli import main
 
@@ -32,11 +33,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def _cli_process(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+def _cli_process(
+    env: dict[str, str], *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh process with exactly ``env`` (plus PATH)."""
     env = {"PATH": os.environ["PATH"], **env}
     command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", *args]
-    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -276,7 +281,9 @@ def test_scale_to_zero_or_a_job_that_is_not_running_is_one_line(with_token):
     assert _cli("status", "--address", url).stdout == before  # treegrpo jobs untouched
 
 
-def _train_on(ray_cluster, tiny_cfg, out, *sets: str) -> subprocess.CompletedProcess:
+def _train_on(
+    ray_cluster, tiny_cfg, out, *sets: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """`treegrpo train tiny-multihop` against the test cluster with the tests' warm start."""
     sets = (
         *sets,
@@ -286,7 +293,7 @@ def _train_on(ray_cluster, tiny_cfg, out, *sets: str) -> subprocess.CompletedPro
         f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
     )
     args = ["train", "tiny-multihop", "--quiet"] + [a for s in sets for a in ("--set", s)]
-    return _cli_process(ray_cluster.client_env(), *args)
+    return _cli_process(ray_cluster.client_env(), *args, timeout=timeout)
 
 
 def test_a_config_larger_than_the_cluster_is_refused_before_anything_starts(
@@ -311,3 +318,77 @@ def test_a_learner_rank_needing_more_gpus_than_any_node_has_is_refused_with_the_
         "cluster.learner_gpus",
     )
     assert not (tmp_path / "tiny-multihop").exists()
+
+
+# A job on the simulated GPUs (each node declares 2 it lacks): Ray places and accounts them, the
+# work runs on CPUs (cluster.simulated_gpus). A learner rank holds one node's 2 GPUs.
+SIMULATED = (
+    "cluster.simulated_gpus=true",
+    "cluster.learner_gpus=2",
+    "cluster.learner_cpus=0.5",
+    "cluster.rollout_cpus=0.5",
+    "cluster.torch_threads=1",
+    "train.prompts_per_step=2",
+    "train.eval_every=0",
+    "train.final_eval_questions=4",
+)
+
+
+@pytest.mark.timeout(900)
+def test_learner_ranks_take_the_gpus_of_both_nodes_and_train(
+    ray_cluster, tiny_cfg, tiny_policy, tmp_path
+):
+    sets = (*SIMULATED, "cluster.learner_workers=2", "train.steps=1")
+    result = _train_on(ray_cluster, tiny_cfg, tmp_path, *sets, timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "tiny-multihop" / "summary.json").read_text())
+    assert sorted(summary["placement"]["learner"]) == sorted(ray_cluster.node_ids.values())
+    assert summary["steps"] == 1
+
+
+@pytest.mark.timeout(900)
+def test_a_tensor_parallel_engine_takes_a_node_and_scaling_past_the_gpus_is_refused_at_once(
+    with_token, tiny_cfg, tiny_policy, tmp_path, follow_records
+):
+    """vLLM with TP = 2 (the embedded engine standing in): its two GPUs are one bundle on one
+    node, the learner's two the other node's. A second engine would need 2 more GPUs: refused
+    at once, with the arithmetic; the job trains on."""
+    url, name = with_token.dashboard_url, "jobs-gpus"
+    engine = ("engine.kind=vllm", "engine.vllm.device=cuda", "engine.vllm.tensor_parallel_size=2")
+    sets = [a for s in (*SIMULATED, *engine) for a in ("--set", s)]
+    job = _submit(name, _job_overrides(tiny_cfg, 100_000, tmp_path) + sets, url)
+    records = follow_records(tmp_path / name / "metrics.jsonl")
+    first = next(records)
+
+    refused = _cli("scale", job, "--rollout-workers", "2", "--address", url)
+    _assert_one_line_error(
+        refused,
+        "1 more rollout worker(s) need 2 GPU (2 each) but the cluster has 4 and this job holds 4",
+        "0 left",
+    )
+    later = next(r for r in records if r["step"] > first["step"])
+    assert later["rollout/workers"] == 1.0
+    # the engine's group: two one-GPU bundles, packed on the rollout node
+    engines = [
+        g["bundles"]
+        for g in _placement_groups(with_token)
+        if g["state"] == "CREATED" and len(g["bundles"]) == 2
+    ]
+    assert len(engines) == 1
+    assert [b["unit_resources"].get("GPU") for b in engines[0]] == [1, 1]
+    assert {b["node_id"] for b in engines[0]} == {with_token.node_ids["rollout_node"]}
+
+    assert _cli("stop", job, "--address", url).returncode == 0
+    assert _cli("logs", job, "--follow", "--address", url).returncode == 0  # returns at the end
+
+
+def _placement_groups(cluster) -> list[dict]:
+    """The cluster's placement groups, from Ray's state API (bundles with their nodes)."""
+    reply = requests.get(
+        f"{cluster.dashboard_url}/api/v0/placement_groups",
+        params={"detail": "1"},
+        headers=cluster.auth_headers(),
+        timeout=10,
+    )
+    reply.raise_for_status()
+    return reply.json()["data"]["result"]["result"]

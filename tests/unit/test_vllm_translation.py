@@ -26,7 +26,7 @@ from treegrpo_ray.actors.engines.vllm_engine import (
     vllm_lora_rank,
     write_peft_adapter,
 )
-from treegrpo_ray.cluster.engines import tensor_parallel_bundles, vllm_actor_options
+from treegrpo_ray.cluster.engines import tensor_parallel_bundles
 from treegrpo_ray.config import EngineConfig, JobConfig, VLLMConfig, load_config
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
 from treegrpo_ray.errors import UserInputError
@@ -327,14 +327,9 @@ def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path):
         torch.testing.assert_close(reloaded[name], tensor, rtol=0, atol=0)
 
 
-def test_single_gpu_actor_options_reserve_one_gpu():
-    assert vllm_actor_options(VLLMConfig(), num_cpus=2) == {
-        "num_cpus": 2,
-        "num_gpus": 1,
-        "resources": {},
-    }
-    options = vllm_actor_options(VLLMConfig(), num_cpus=2, resources={"rollout_node": 1})
-    assert options["resources"] == {"rollout_node": 1}
+def test_a_single_gpu_engine_is_one_bundle_with_its_gpu():
+    bundles = tensor_parallel_bundles(VLLMConfig(device="cuda"), 2, {"rollout_node": 1})
+    assert bundles == [{"GPU": 1, "CPU": 2, "rollout_node": 1}]
 
 
 def test_tensor_parallel_bundle_zero_holds_what_the_actor_asks_for():
