@@ -129,15 +129,20 @@ class RolloutPool:
         the job reserves with its active workers (a wait could only end at the timeout)."""
         cfg, active = self.cfg, len(self.active())
         total, held = ray.cluster_resources(), cfg.required_resources(active)
+        short = []
         for key, each in cfg.rollout_worker_resources().items():
             room = total.get(key, 0.0) - held.get(key, 0.0)
             if more * each > room + 1e-9:
-                raise ValueError(
-                    f"{more} more rollout worker(s) need {more * each:g} {key} ({each:g} each) "
-                    f"but the cluster has {total.get(key, 0.0):g} and this job holds "
-                    f"{held.get(key, 0.0):g} with {active} rollout worker(s): {room:g} left; "
-                    f"add nodes with {key} or scale to fewer workers"
+                short.append(
+                    f"{more * each:g} {key} ({each:g} each) but the cluster has "
+                    f"{total.get(key, 0.0):g} and this job holds {held.get(key, 0.0):g} with "
+                    f"{active} rollout worker(s): {room:g} left"
                 )
+        if short:
+            raise ValueError(
+                f"{more} more rollout worker(s) need {'; and '.join(short)}; add nodes with "
+                "these resources or scale to fewer workers"
+            )
 
     def sync(self, worker_id: int, version: int, weights: ray.ObjectRef) -> ray.ObjectRef:
         """Send policy ``version`` to a worker (ordered before any later call to it)."""

@@ -392,3 +392,29 @@ def _placement_groups(cluster) -> list[dict]:
     )
     reply.raise_for_status()
     return reply.json()["data"]["result"]["result"]
+
+
+@pytest.mark.timeout(900)
+def test_single_gpu_engines_scale_up_to_the_free_gpus_and_down_again(
+    with_token, tiny_cfg, tiny_policy, tmp_path, follow_records
+):
+    """vLLM on one GPU each (the embedded engine standing in) on the rollout node's 2 GPUs, the
+    learner on the head's 2: a second engine takes the last GPU, a third is refused at once;
+    scaling down frees a GPU that the next scale-up takes again."""
+    url, name = with_token.dashboard_url, "jobs-gpu-scale"
+    engine = ("engine.kind=vllm", "engine.vllm.device=cuda")
+    sets = [a for s in (*SIMULATED, *engine) for a in ("--set", s)]
+    job = _submit(name, _job_overrides(tiny_cfg, 100_000, tmp_path) + sets, url)
+    records = follow_records(tmp_path / name / "metrics.jsonl")
+    next(records)
+
+    assert _cli("scale", job, "--rollout-workers", "2", "--address", url).returncode == 0
+    refused = _cli("scale", job, "--rollout-workers", "3", "--address", url)
+    _assert_one_line_error(refused, "this job holds 4 with 2 rollout worker(s): 0 left")
+    down = _cli("scale", job, "--rollout-workers", "1", "--address", url)
+    assert down.stdout.startswith(f"{job}: 1 rollout workers"), down.stderr
+    again = _cli("scale", job, "--rollout-workers", "2", "--address", url)
+    assert again.stdout.startswith(f"{job}: 2 rollout workers"), again.stderr
+
+    assert _cli("stop", job, "--address", url).returncode == 0
+    assert _cli("logs", job, "--follow", "--address", url).returncode == 0  # returns at the end
