@@ -44,3 +44,29 @@ def test_top_p_below_one_is_refused_where_the_ratio_reads_engine_logprobs(overri
         return
     with pytest.raises(UserInputError, match=r"sampling.top_p 0.9 < 1 with .*set sampling.top_p=1"):
         load_config("tiny-multihop", overrides)
+
+
+def test_required_resources_count_every_worker_and_the_simulated_engine_stands_in():
+    cfg = load_config(
+        "tiny-multihop",
+        [
+            "engine.kind=vllm",
+            "engine.vllm.device=cuda",
+            "engine.vllm.tensor_parallel_size=2",
+            "cluster.rollout_workers=2",
+            "cluster.rollout_cpus=0.5",
+            "cluster.rollout_resources={rollout_node: 1}",
+            "cluster.learner_workers=2",
+            "cluster.learner_gpus=1",
+        ],
+    )
+    assert cfg.rollout_worker_resources() == {"CPU": 0.5, "rollout_node": 1, "GPU": 2}
+    # CPU 2 * 0.5 + 2 * 1 learner CPUs; GPU 2 * 2 + 2 * 1
+    assert cfg.required_resources() == {"CPU": 3, "rollout_node": 2, "GPU": 6}
+    assert cfg.required_resources(rollout_workers=1) == {"CPU": 2.5, "rollout_node": 1, "GPU": 4}
+    assert cfg.worker_engine() == cfg.engine  # a real run: vLLM
+    simulated = cfg.model_copy(
+        update={"cluster": cfg.cluster.model_copy(update={"simulated_gpus": True})}
+    )
+    assert simulated.worker_engine().kind == "hf"
+    assert simulated.required_resources() == cfg.required_resources()  # Ray still places vLLM
