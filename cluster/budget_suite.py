@@ -42,6 +42,7 @@ tree-1x2x1-entropy-adaptive,tree-1x2x1-uncertainty-adaptive --out benchmarks/res
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import multiprocessing
 import os
@@ -270,15 +271,18 @@ def evaluate(run: LocalRun, settings: Settings, final: bool, along: bool) -> dic
 
 
 def _stored(path: Path, compute: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """``compute()``, kept at ``path`` (JSON) for the runs that ask next."""
-    if path.exists():
-        return json.loads(path.read_text())
-    result = compute()
+    """``compute()``, kept at ``path`` (JSON) for the runs that ask next; a run that asks while
+    another computes it waits for that one (a lock file beside it) instead of computing it too."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.tmp")  # runs in parallel may both compute it
-    partial.write_text(json.dumps(result))
-    partial.replace(path)
-    return result
+    with path.with_suffix(".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        result = compute()
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(result))
+        partial.replace(path)
+        return result
 
 
 def warm_start_evaluation(run: LocalRun, job: Job, out: Path) -> dict[str, float]:
