@@ -163,8 +163,10 @@ def _client(address: str | None) -> tuple[Any, str, str | None]:
     try:  # a quick, bounded check first: the SDK's requests have no timeout
         port = parts.port or (443 if parts.scheme == "https" else 80)
         socket.create_connection((parts.hostname or "", port), timeout=10).close()
-    except (OSError, ValueError) as err:
+    except OSError as err:
         raise _unreachable(address, err.strerror or err) from None
+    except ValueError as err:  # a malformed address, e.g. a port out of range
+        raise _unreachable(address, err) from None
     # The SDK lets RAY_ADDRESS / RAY_API_SERVER_ADDRESS override the address it is given.
     saved = {
         k: os.environ.pop(k) for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") if k in os.environ

@@ -239,6 +239,8 @@ def test_unreachable_address_is_one_line(monkeypatch):
         s.bind(("127.0.0.1", 0))
         address = f"http://127.0.0.1:{s.getsockname()[1]}"
     _assert_one_line_error(_cli("status", "--address", address), "cannot reach", address)
+    malformed = "http://127.0.0.1:99999"
+    _assert_one_line_error(_cli("status", "--address", malformed), "Port out of range", malformed)
     monkeypatch.setenv("RAY_ADDRESS", address)
     _assert_one_line_error(_cli("logs", "some-job"), address, "--address", "RAY_ADDRESS")
 
