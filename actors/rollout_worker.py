@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import cast
 
 import pyarrow as pa
 import torch
@@ -34,7 +35,7 @@ from treegrpo_ray.envs.search_qa import SearchFn, SearchQAEnv
 from treegrpo_ray.metrics import peak_rss_bytes
 from treegrpo_ray.modeling import PromptFormat, encode_prompt, load_policy, load_tokenizer
 from treegrpo_ray.planner import Expansion, TreePlanner
-from treegrpo_ray.stops import StopStrings
+from treegrpo_ray.stops import Decode, StopStrings
 from treegrpo_ray.tree import AgentStep, BatchInfo, Tree, batch_info, trees_to_arrow
 
 
@@ -116,7 +117,9 @@ class RolloutWorker:
         self.shape = tree.shape()
         self.selection = tree.selection()
         self.sampling = sampling
-        self.stops = StopStrings(self.env.stop_sequences, self.tokenizer.decode)
+        # one sequence of ids in, one string out (the stubs type decode for batches too)
+        self.decode = cast(Decode, self.tokenizer.decode)
+        self.stops = StopStrings(self.env.stop_sequences, self.decode)
         self.prompt_format = prompt_format or PromptFormat()
 
     @classmethod
@@ -243,9 +246,7 @@ class RolloutWorker:
                 trees[branches[tag].at.tree_index].state_at(branches[tag].at.node_id)
                 for tag, _ in stops
             ]
-            steps = self.env.step_batch(
-                states, [self.tokenizer.decode(r.token_ids) for _, r in stops]
-            )
+            steps = self.env.step_batch(states, [self.decode(r.token_ids) for _, r in stops])
             step_of = {tag: step for (tag, _), step in zip(stops, steps, strict=True)}
             for tag, result in finished:
                 branch = branches[tag]

@@ -95,7 +95,7 @@ def _tree(
     allocate: str = "fixed",
 ) -> Arm:
     """``tree-MxNxL``, with ``-SELECT`` unless uniform and ``-adaptive`` for that allocation."""
-    overrides = (f"tree.m={m}", f"tree.n={n}", f"tree.l={l}", "ppo.advantage=tree")
+    overrides: tuple[str, ...] = (f"tree.m={m}", f"tree.n={n}", f"tree.l={l}", "ppo.advantage=tree")
     name = f"tree-{m}x{n}x{l}"
     if select != "uniform":
         name, overrides = f"{name}-{select}", (*overrides, f"tree.select={select}")
@@ -143,7 +143,7 @@ SELECTION_PAIRS = tuple(
     )
 )
 # The pre-registered selection comparison (README): low start, the budget-2 arms.
-SELECTION_TARGETS = {
+SELECTION_TARGETS: dict[str, Any] = {
     "start": "low",
     "uniform": "tree-1x2x1",
     "control": "chain-3",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from torch.utils.tensorboard import SummaryWriter
 
@@ -24,7 +24,7 @@ class MetricsLog:
         self.records: list[dict[str, Any]] = []
         self.pending: dict[int, tuple[dict[str, Any], bool]] = {}  # step -> (record, ready)
         self.tensorboard: SummaryWriter | None = None
-        self.jsonl = None
+        self.jsonl: TextIO | None = None
         if resume_after is None:
             self._open([], None)
         else:
@@ -65,17 +65,19 @@ class MetricsLog:
         self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
+        jsonl, tensorboard = self.jsonl, self.tensorboard
+        assert jsonl is not None and tensorboard is not None  # open from __init__ on
         full = {"step": step, **record}
         self.records.append(full)
-        self.jsonl.write(json.dumps(full) + "\n")
-        self.jsonl.flush()
+        jsonl.write(json.dumps(full) + "\n")
+        jsonl.flush()
         for key, value in record.items():
             if isinstance(value, (int, float)):
-                self.tensorboard.add_scalar(key, value, step)
-        self.tensorboard.flush()
+                tensorboard.add_scalar(key, value, step)
+        tensorboard.flush()
 
     def close(self) -> None:
-        if self.jsonl is not None:
+        if self.jsonl is not None and self.tensorboard is not None:
             self.jsonl.close()
             self.tensorboard.close()
             self.jsonl = None

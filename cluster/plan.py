@@ -118,7 +118,7 @@ class GpuCluster:
     def for_job(cls, cfg: JobConfig) -> GpuCluster:
         """One node with as many GPUs as the job asks for, 80 GB each (an H100 or A100)."""
         cluster = cfg.cluster
-        need = cluster.rollout_workers * cfg.engine.rollout_gpus()
+        need: float = cluster.rollout_workers * cfg.engine.rollout_gpus()
         need += cluster.learner_workers * cluster.learner_gpus
         return cls(nodes=1, gpus_per_node=max(int(need), 1))
 

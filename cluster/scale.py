@@ -9,6 +9,7 @@ Prints the controller's answer as one JSON line.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -35,7 +36,7 @@ def _find_controller(run: str, wait_s: float) -> Any:
 def main(argv: list[str]) -> int:
     run, workers = argv[0], int(argv[1])
     wait_s = float(argv[2]) if len(argv) > 2 else 0.0
-    ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR")
+    ray.init(address="auto", namespace=NAMESPACE, logging_level=logging.ERROR)
     controller = _find_controller(run, wait_s)
     if controller is None:
         waited = f" (waited {wait_s:g} s for it to start)" if wait_s else ""

@@ -8,6 +8,7 @@ the controller's step records, and prints a closing summary.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -72,7 +73,7 @@ def _connect(cfg: JobConfig) -> bool:
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING")
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         return True
     need = cfg.required_resources()
     init_local_ray(
@@ -81,7 +82,7 @@ def _connect(cfg: JobConfig) -> bool:
         resources=need,
         namespace=NAMESPACE,
         dashboard_host="127.0.0.1",
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
         log_to_driver=False,
     )
     return True

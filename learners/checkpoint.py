@@ -233,7 +233,7 @@ def intact_checkpoint(root: Path) -> tuple[CheckpointCheck | None, list[Checkpoi
     if named is None:
         return None, []
     candidates = [named] + [p for p in checkpoints_newest_first(root) if p.name < named.name]
-    damaged = []
+    damaged: list[CheckpointCheck] = []
     for path in candidates:
         check = check_checkpoint(path)
         if check.intact:
