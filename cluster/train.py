@@ -282,7 +282,8 @@ def train(
             scaling_config=_learner_scaling(cfg),
             # simulated GPUs have no NCCL: the ranks talk over gloo, as on CPU nodes
             torch_config=TorchConfig(backend="gloo") if cfg.cluster.simulated_gpus else None,
-            run_config=RunConfig(
+            # Ray Train v2's RunConfig (worker_runtime_env); mypy resolves ray.train's v1 one
+            run_config=RunConfig(  # type: ignore[call-arg]
                 name=cfg.name,
                 storage_path=str((cfg.run_dir / "ray_train").resolve()),
                 failure_config=FailureConfig(max_failures=cfg.cluster.learner_max_failures),

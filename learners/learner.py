@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -58,11 +58,17 @@ from treegrpo_ray.saved_trees import (
     should_save,
     write_saved_trees,
 )
+from treegrpo_ray.stops import Decode
 from treegrpo_ray.tree import Tree, batch_info, trees_from_arrow
 from treegrpo_ray.tree_attention import TREE_FLEX
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+# A policy: a transformers PreTrainedModel, or a peft PeftModel around one. Both forward
+# attributes at run time (config, get_base_model, disable_adapter, peft_config...) that their
+# stubs do not show through torch.nn.Module, so code that reads them takes it untyped.
+Policy = Any
 
 
 def token_logprobs(
@@ -123,7 +129,7 @@ def packed_logprobs(
 
 
 def _tree_mask_for(
-    model: torch.nn.Module, batch: PackedBatch, row: int, dtype: torch.dtype | None
+    model: Policy, batch: PackedBatch, row: int, dtype: torch.dtype | None
 ) -> torch.Tensor | BlockMask:
     """The tree mask of packed ``row`` in the form ``model``'s attention takes."""
     attention = model.config._attn_implementation
@@ -150,7 +156,7 @@ def attention_implementation(setting: str, device: torch.device) -> str:
 
 
 @torch.no_grad()
-def merged_lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_lora_state(model: Policy) -> dict[str, torch.Tensor]:
     """The state dict (base model names) that peft's ``merge_and_unload`` would leave, without
     changing ``model``: each LoRA layer's weight plus its active adapters' deltas."""
     from peft.tuners.lora import LoraLayer
@@ -159,8 +165,9 @@ def merged_lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
-            deltas[f"{name}.base_layer.weight"] = sum(
-                module.get_delta_weight(adapter) for adapter in module.active_adapters
+            layer: Any = module  # get_delta_weight: defined by each LoRA layer type
+            deltas[f"{name}.base_layer.weight"] = cast(
+                torch.Tensor, sum(layer.get_delta_weight(a) for a in layer.active_adapters)
             )
     return {
         key.replace(".base_layer.", "."): value + deltas[key] if key in deltas else value
@@ -185,13 +192,13 @@ class Minibatch:
         return max(float((self.batch.loss_mask * self.routed.weights).sum()), 1.0)
 
 
-def with_lora_adapter(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
+def with_lora_adapter(model: Policy, lora: LoraSettings) -> Policy:
     """``model`` wrapped by peft with a fresh LoRA adapter; only the adapter is trainable."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # typed int; peft scales by alpha / r
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
     )
@@ -228,6 +235,7 @@ class Learner:
     ):
         torch.manual_seed(seed)
         self.device = torch.device(device)
+        self.model: Policy
         self.model, self.tokenizer = load_policy(model_path)
         self.model.set_attn_implementation(attention_implementation(ppo.attention, self.device))
         if ppo.activation_checkpointing:
@@ -571,7 +579,8 @@ class Learner:
             "loss_mode": self.ppo.loss_mode,
             "metrics": metrics,
         }
-        table = saved_trees_table(trees, self.node_advantages, self.tokenizer.decode, meta)
+        decode = cast(Decode, self.tokenizer.decode)  # one sequence of ids -> one string
+        table = saved_trees_table(trees, self.node_advantages, decode, meta)
         return write_saved_trees(run_dir, self.version, table)
 
     def save(self, path: Path, extra: dict | None = None) -> Path:

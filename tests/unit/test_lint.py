@@ -1,4 +1,5 @@
-"""Lint in the test command (and so in CI): ruff over the checkout, mypy over the core package."""
+"""Lint in the test command (and so in CI): ruff over the checkout, mypy over all package code
+(the core, the actors, the learners and the cluster wiring)."""
 
 import shutil
 import subprocess
@@ -12,7 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "command",
-    [["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy", "treegrpo_ray"]],
+    [
+        ["ruff", "check", "."],
+        ["ruff", "format", "--check", "."],
+        ["mypy", "treegrpo_ray", "actors", "learners", "cluster"],
+    ],
     ids=["ruff-check", "ruff-format", "mypy"],
 )
 def test_the_checkout_is_lint_clean(command):
