@@ -133,14 +133,16 @@ def measured_arms(suite: Path) -> dict[str, dict[str, dict[str, float]]]:
 def measured_gap_at_equal_tokens(arms: dict[str, dict[str, float]], tree: str) -> float | None:
     """A measured tree arm's share minus that of the measured chain arms, interpolated by
     generated tokens per prompt at the tree's; None when its tokens lie outside theirs."""
+    from treegrpo_ray.budget_stats import interpolate
+
     points = sorted(
         (v["tokens_per_prompt"], v["share"]) for a, v in arms.items() if a.startswith("chain")
     )
     x = arms[tree]["tokens_per_prompt"]
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-        if x0 <= x <= x1:
-            return arms[tree]["share"] - (y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-    return None
+    if len(points) < 2 or not points[0][0] <= x <= points[-1][0]:
+        return None
+    xs, ys = zip(*points, strict=True)
+    return arms[tree]["share"] - interpolate(xs, ys, x)
 
 
 def profile(
