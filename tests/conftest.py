@@ -1,11 +1,20 @@
-"""Shared fixtures: a briefly warm-started tiny policy (built once per session), a tiny policy
-in a Hugging Face cache under a Hub id, and a reader that blocks on a run's ``metrics.jsonl``
-records as they are written."""
+"""The test tiers, and shared fixtures: a briefly warm-started tiny policy (built once per
+session), a tiny policy in a Hugging Face cache under a Hub id, and a reader that blocks on a
+run's ``metrics.jsonl`` records as they are written.
+
+Tiers: ``pytest`` runs the fast tier (unmarked tests: pure maths, engines and learners on small
+untrained models, in-process); ``@pytest.mark.ray`` tests start or join a Ray cluster and
+``@pytest.mark.slow`` ones use a warm-started or real model, vLLM, a GPU or a whole install.
+``pytest --tier ray,slow`` picks tiers, ``--tier all`` runs every one (the README's command).
+A test that starts Ray without ``ray``, or uses a warm-started policy, vLLM, a GPU or the real
+model without a tier marker, fails and says which marker it needs.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +28,120 @@ from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150
+
+TIERS = ("fast", "ray", "slow")
+# Markers saying what a test needs that the fast tier does not give it.
+NEEDS_A_TIER = ("gpu", "vllm", "realmodel")
+# Fixtures holding a warm-started policy, and fixtures holding a Ray cluster.
+WARM_FIXTURES = ("tiny_policy",)
+RAY_FIXTURES = ("local_ray", "ray_cluster", "engine_hosts")
+LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        default="fast",
+        help="comma-separated tiers to run: fast (the default), ray, slow, or all",
+    )
+
+
+def chosen_tiers(config: pytest.Config) -> set[str]:
+    asked = {name.strip() for name in config.getoption("--tier").split(",") if name.strip()}
+    if "all" in asked:
+        return set(TIERS)
+    unknown = asked - set(TIERS)
+    if unknown or not asked:
+        raise pytest.UsageError(
+            f"--tier {config.getoption('--tier')}: the tiers are {', '.join(TIERS)} or all"
+        )
+    return asked
+
+
+def tier_of(item: pytest.Item) -> str:
+    if item.get_closest_marker("ray"):
+        return "ray"
+    return "slow" if item.get_closest_marker("slow") else "fast"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers = chosen_tiers(config)
+    left_out = [item for item in items if tier_of(item) not in tiers]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if tier_of(item) in tiers]
+    config.stash[LEFT_OUT] = len(left_out)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    left_out = config.stash.get(LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"tiers run: {config.getoption('--tier')}; {left_out} tests of other tiers left out "
+            "(--tier all runs every tier: the README's test command)"
+        )
+
+
+def ray_sessions() -> set[str]:
+    """Names of the Ray session directories on this machine (where Ray writes them)."""
+    base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    root = Path(base) / "ray"
+    return {p.name for p in root.glob("session_2*")} if root.is_dir() else set()
+
+
+class WarmStartUse:
+    """Counts calls of the warm starts ``resolve_model_path`` makes (cached or not)."""
+
+    calls = 0
+
+    @classmethod
+    def wrap(cls, function):
+        def counted(*args, **kwargs):
+            cls.calls += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_warm_starts() -> Iterator[None]:
+    from treegrpo_ray.learners import policies
+
+    originals = policies.warm_start, policies.protocol_warm_start
+    policies.warm_start, policies.protocol_warm_start = map(WarmStartUse.wrap, originals)
+    yield
+    policies.warm_start, policies.protocol_warm_start = originals
+
+
+SESSIONS_BEFORE = pytest.StashKey[set[str]]()
+WARM_CALLS_BEFORE = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[SESSIONS_BEFORE] = ray_sessions()
+    item.stash[WARM_CALLS_BEFORE] = WarmStartUse.calls
+    tier, uses = tier_of(item), set(getattr(item, "fixturenames", ()))
+    needs = [name for name in NEEDS_A_TIER if item.get_closest_marker(name)]
+    needs += sorted(uses.intersection(WARM_FIXTURES))
+    if needs and tier == "fast":
+        pytest.fail(f"{item.nodeid} needs {needs[0]}: mark it @pytest.mark.slow", pytrace=False)
+    if uses.intersection(RAY_FIXTURES) and tier != "ray":
+        pytest.fail(f"{item.nodeid} uses a Ray cluster: mark it @pytest.mark.ray", pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Fails (as a teardown error) a test that did what its tier does not allow."""
+    tier = tier_of(item)
+    started = ray_sessions() - item.stash[SESSIONS_BEFORE]
+    if started and tier != "ray":
+        pytest.fail(f"{item.nodeid} started Ray: mark it @pytest.mark.ray", pytrace=False)
+    warmed = WarmStartUse.calls > item.stash[WARM_CALLS_BEFORE]
+    if warmed and tier == "fast":
+        pytest.fail(
+            f"{item.nodeid} uses a warm-started policy: mark it @pytest.mark.slow", pytrace=False
+        )
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +219,16 @@ def write_hub_snapshot(model_dir: Path, cache: Path, repo_id: str) -> Path:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+@pytest.fixture(scope="session")
+def untrained_policy(tmp_path_factory, tiny_cfg) -> str:
+    """Path of an untrained tiny multihop policy of the preset's size (the fast tier's policy:
+    its actions are noise, its shapes and maths are the warm-started one's)."""
+    model_dir = tmp_path_factory.mktemp("untrained") / "policy"
+    tokenizer = build_word_tokenizer(MultihopTask(tiny_cfg.task.multihop).vocabulary(), model_dir)
+    build_tiny_model(tiny_cfg.model.tiny, len(tokenizer), seed=0).save_pretrained(str(model_dir))
+    return str(model_dir)
 
 
 @pytest.fixture(scope="session")

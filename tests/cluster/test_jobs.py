@@ -18,7 +18,7 @@ import requests
 
 from treegrpo_ray.cluster.cli import main
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "jobs-e2e"

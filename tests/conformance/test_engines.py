@@ -134,12 +134,13 @@ ENGINES = [
     pytest.param(
         _hf("cuda"),
         id="hf-cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(NO_CUDA, reason="needs CUDA")],
+        marks=[pytest.mark.slow, pytest.mark.gpu, pytest.mark.skipif(NO_CUDA, reason="needs CUDA")],
     ),
     pytest.param(
         _vllm,
         id="vllm",
         marks=[
+            pytest.mark.ray,  # each vLLM engine runs in a Ray actor
             pytest.mark.vllm,
             pytest.mark.skipif(
                 not vllm_runs_here(),
@@ -206,10 +207,10 @@ def reference_logprobs(model, prefix: list[int], tokens: list[int], temperature:
     return log_probs.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
-def test_greedy_tokens_of_the_cached_engine_equal_the_uncached(make_engine, tiny_policy):
-    tokenizer = load_tokenizer(tiny_policy)
-    cached = tree_waves(make_engine(tiny_policy, True), tokenizer, temperature=0.0)
-    uncached = tree_waves(make_engine(tiny_policy, False), tokenizer, temperature=0.0)
+def test_greedy_tokens_of_the_cached_engine_equal_the_uncached(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    cached = tree_waves(make_engine(untrained_policy, True), tokenizer, temperature=0.0)
+    uncached = tree_waves(make_engine(untrained_policy, False), tokenizer, temperature=0.0)
     assert [[r.token_ids for r in wave] for wave in cached] == [
         [r.token_ids for r in wave] for wave in uncached
     ]
@@ -218,10 +219,12 @@ def test_greedy_tokens_of_the_cached_engine_equal_the_uncached(make_engine, tiny
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False], ids=["cached", "uncached"])
-def test_sampled_logprobs_match_a_reference_forward_pass(make_engine, tiny_policy, prefix_cache):
-    tokenizer = load_tokenizer(tiny_policy)
-    reference, _ = load_policy(tiny_policy)
-    engine = make_engine(tiny_policy, prefix_cache)
+def test_sampled_logprobs_match_a_reference_forward_pass(
+    make_engine, untrained_policy, prefix_cache
+):
+    tokenizer = load_tokenizer(untrained_policy)
+    reference, _ = load_policy(untrained_policy)
+    engine = make_engine(untrained_policy, prefix_cache)
     prompt = tokenizer.encode(QUESTIONS[0], add_special_tokens=False)
     observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
     prefixes = [prompt, prompt[:-3], prompt + observation]
@@ -254,12 +257,12 @@ def reference_entropies(model, prefix: list[int], tokens: list[int], temperature
     return exact, bounds
 
 
-def test_entropies_are_those_of_the_sampling_distribution(make_engine, tiny_policy):
+def test_entropies_are_those_of_the_sampling_distribution(make_engine, untrained_policy):
     """Exact on the embedded engine; vLLM's top-k value is a lower bound within its documented
     error (docs/engines.md). Greedy tokens come from a point mass: entropy 0."""
-    tokenizer = load_tokenizer(tiny_policy)
-    reference, _ = load_policy(tiny_policy)
-    engine = make_engine(tiny_policy, True)
+    tokenizer = load_tokenizer(untrained_policy)
+    reference, _ = load_policy(untrained_policy)
+    engine = make_engine(untrained_policy, True)
     prompt = tokenizer.encode(QUESTIONS[0], add_special_tokens=False)
     observation = tokenizer.encode(OBSERVATION, add_special_tokens=False)
     prefixes = [prompt, prompt + observation, prompt[:-3]]
@@ -286,9 +289,9 @@ def test_entropies_are_those_of_the_sampling_distribution(make_engine, tiny_poli
         assert result.entropies == [0.0] * len(result.token_ids)
 
 
-def test_stop_strings_end_generation_at_the_completing_token(make_engine, tiny_policy):
-    tokenizer = load_tokenizer(tiny_policy)
-    engine = make_engine(tiny_policy, True)
+def test_stop_strings_end_generation_at_the_completing_token(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    engine = make_engine(untrained_policy, True)
     prompt = tokenizer.encode(QUESTIONS[1], add_special_tokens=False)
     free = engine.generate(_requests([prompt], 0.0, max_new_tokens=8))[0].token_ids
     text = tokenizer.decode(free[2:4])
@@ -301,10 +304,10 @@ def test_stop_strings_end_generation_at_the_completing_token(make_engine, tiny_p
     assert len(stopped.logprobs) == len(stopped.token_ids)
 
 
-def test_finish_reasons(make_engine, tiny_policy):
-    tokenizer = load_tokenizer(tiny_policy)
-    engine = make_engine(tiny_policy, True)
-    context = load_policy(tiny_policy)[0].config.max_position_embeddings
+def test_finish_reasons(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    engine = make_engine(untrained_policy, True)
+    context = load_policy(untrained_policy)[0].config.max_position_embeddings
     prompt = tokenizer.encode(QUESTIONS[2], add_special_tokens=False)
     filler = (prompt * context)[:context]
     near_limit = filler[: context - 3]
@@ -315,18 +318,18 @@ def test_finish_reasons(make_engine, tiny_policy):
     assert len(near_limit) + len(results[2].token_ids) <= context
 
 
-def test_no_kv_of_an_older_version_serves_a_newer_one(make_engine, tiny_policy):
-    tokenizer = load_tokenizer(tiny_policy)
-    engine = make_engine(tiny_policy, True)
+def test_no_kv_of_an_older_version_serves_a_newer_one(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    engine = make_engine(untrained_policy, True)
     tree_waves(engine, tokenizer, temperature=1.0)  # fills the cache under version 0
     generator = torch.Generator().manual_seed(0)
-    old, _ = load_policy(tiny_policy)
+    old, _ = load_policy(untrained_policy)
     new_weights = {
         name: value + 0.05 * torch.randn(value.shape, generator=generator)
         for name, value in old.state_dict().items()
     }
     engine.load_weights(1, new_weights)
-    fresh = make_engine(tiny_policy, False)
+    fresh = make_engine(untrained_policy, False)
     fresh.load_weights(1, new_weights)
     # Distinct prompts, each cached under version 0 (a batch with repeats could hit itself).
     prompts = [tokenizer.encode(OBSERVATION + q, add_special_tokens=False) for q in QUESTIONS]
@@ -345,9 +348,9 @@ def test_no_kv_of_an_older_version_serves_a_newer_one(make_engine, tiny_policy):
         )
 
 
-def test_counters_add_up(make_engine, tiny_policy):
-    tokenizer = load_tokenizer(tiny_policy)
-    engine = make_engine(tiny_policy, True)
+def test_counters_add_up(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    engine = make_engine(untrained_policy, True)
     before = engine.cache_stats()
     prompt = tokenizer.encode(OBSERVATION * 3 + QUESTIONS[0], add_special_tokens=False)
     prefixes = [prompt, prompt + [5, 6, 7], prompt]
@@ -374,12 +377,12 @@ def test_counters_add_up(make_engine, tiny_policy):
         ]
 
 
-def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, tiny_policy):
+def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, untrained_policy):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    tokenizer = load_tokenizer(tiny_policy)
+    tokenizer = load_tokenizer(untrained_policy)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    peft_model = get_peft_model(load_policy(tiny_policy)[0], config)
+    peft_model = get_peft_model(load_policy(untrained_policy)[0], config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -388,10 +391,10 @@ def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, ti
     adapter = LoraPayload(get_peft_model_state_dict(peft_model), config.to_dict())
     merged = peft_model.merge_and_unload().state_dict()
 
-    engine = make_engine(tiny_policy, True)
+    engine = make_engine(untrained_policy, True)
     tree_waves(engine, tokenizer, temperature=1.0)  # fills the cache under the base policy
     engine.load_weights(1, adapter)
-    reference = make_engine(tiny_policy, False)
+    reference = make_engine(untrained_policy, False)
     reference.load_weights(1, merged)
     got = tree_waves(engine, tokenizer, temperature=0.0)
     want = tree_waves(reference, tokenizer, temperature=0.0)
@@ -402,6 +405,7 @@ def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, ti
         )
 
 
+@pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_runs_here(), reason="needs vLLM (see ENGINES)")
 def test_the_vllm_engine_loads_a_hub_id_from_its_node_cache(engine_hosts, hub_policy):
@@ -419,24 +423,25 @@ def test_the_vllm_engine_loads_a_hub_id_from_its_node_cache(engine_hosts, hub_po
         torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_runs_here(), reason="needs vLLM (see ENGINES)")
-def test_a_failed_cache_reset_serves_no_old_kv_to_the_new_version(engine_hosts, tiny_policy):
+def test_a_failed_cache_reset_serves_no_old_kv_to_the_new_version(engine_hosts, untrained_policy):
     """The version (the cache salt) moves with the weights before the reset is tried: when the
     reset fails, the blocks cached under the old version cannot serve the new one."""
     if not engine_hosts:
         gpus = 0.5 if installed_vllm_build() == "cuda" else 0
         engine_hosts.append(ray.remote(EngineHost).options(num_cpus=0, num_gpus=gpus).remote())
     host = engine_hosts[0]
-    engine = _vllm(tiny_policy, True, host)
-    tokenizer = load_tokenizer(tiny_policy)
+    engine = _vllm(untrained_policy, True, host)
+    tokenizer = load_tokenizer(untrained_policy)
     # two observations: over one 32-token block, the prefix cache's unit on CPU
     text = [2 * OBSERVATION + q for q in QUESTIONS]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in text]
     engine.generate(_requests(prompts, 0.0))  # cached under version 0
     assert sum(r.cached_tokens for r in engine.generate(_requests(prompts, 0.0))) > 0
     ray.get(host.fail_cache_resets.remote())
-    weights = load_policy(tiny_policy)[0].state_dict()
+    weights = load_policy(untrained_policy)[0].state_dict()
     with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
         engine.load_weights(1, weights)
     assert engine.version == 1

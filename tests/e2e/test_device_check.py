@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # runs the GPU tests and a learner in a subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check runs whole (minutes)")
 def test_the_device_check_runs_without_cuda_and_says_what_it_skipped(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}

@@ -48,9 +48,12 @@ FLAGS = (
     "--window-size=1280,900",
 )
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium: bash scripts/install-browser.sh"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's chromium: bash scripts/install-browser.sh"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "cluster" / "deploy"

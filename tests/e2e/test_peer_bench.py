@@ -10,6 +10,7 @@ pytest.importorskip("trl", reason="the peer extra (pip install -e '.[peer]') is 
 from treegrpo_ray.cluster.cli import main  # noqa: E402
 
 
+@pytest.mark.slow  # TRL and ours on the warm-started policy
 def test_both_trainers_generate_and_take_the_same_step(tiny_policy, tmp_path, capsys):
     args = ["bench", "peer", "--preset", "tiny-multihop-lora", "--set", f"model.path={tiny_policy}"]
     args += ["--prompts", "2", "--group", "3", "--max-new-tokens", "8", "--repeats", "2"]

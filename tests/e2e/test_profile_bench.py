@@ -4,11 +4,13 @@ trees, their profile, and a rerun that reads the saved probe instead of probing 
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.tree import trees_from_arrow
 
 
+@pytest.mark.slow  # a rollout probe of the warm-started policy
 def test_probe_profiles_the_policy_and_a_rerun_reads_it_back(tiny_policy, tmp_path, capsys):
     args = ["bench", "profile", "--probe", "--preset", "tiny-multihop"]
     args += ["--set", f"model.path={tiny_policy}", "--shape", "3x2x1", "--prompts", "8"]

@@ -8,6 +8,7 @@ from treegrpo_ray.engine import GenerationRequest, SamplingParams
 from treegrpo_ray.modeling import load_policy
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]

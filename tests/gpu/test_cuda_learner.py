@@ -10,6 +10,7 @@ from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.tree import trees_from_arrow
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]

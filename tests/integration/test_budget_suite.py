@@ -11,6 +11,8 @@ import yaml
 from treegrpo_ray.budget_stats import interpolate
 from treegrpo_ray.cluster.budget_suite import QUICK, add_arguments, jobs, run_suite
 
+pytestmark = pytest.mark.slow  # in-process runs of the warm-started policy
+
 ARMS = ("chain-2", "chain-3", "tree-1x2x1")
 
 

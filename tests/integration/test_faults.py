@@ -14,7 +14,7 @@ import ray
 
 from treegrpo_ray.cluster.train import train
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 
 class RunningJob:

@@ -11,7 +11,7 @@ from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.config import TreeConfig
 from treegrpo_ray.envs.multihop import MultihopTask
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 TREE = TreeConfig(m=2, n=1, l=1)
 

@@ -27,7 +27,7 @@ from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.saved_trees import read_saved_trees
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 # A stopped run's Ray processes exit while it shuts Ray down; this bounds a wait for stragglers.
 STOPPED_PROCESS_WAIT_S = 120
 

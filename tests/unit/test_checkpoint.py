@@ -12,9 +12,11 @@ from treegrpo_ray.tree import trees_from_arrow
 
 
 @pytest.fixture(scope="module")
-def batches(tiny_cfg, tiny_policy):
+def batches(tiny_cfg, untrained_policy):
     """Two batches of trees (2 prompt groups each)."""
-    worker = RolloutWorker(tiny_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling, seed=0)
+    worker = RolloutWorker(
+        untrained_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling, seed=0
+    )
     samples = MultihopTask(tiny_cfg.task.multihop).train_samples()
     return [
         trees_from_arrow(worker.expand(Lease(i, tuple(enumerate(samples[2 * i : 2 * i + 2])), i)))
@@ -22,15 +24,17 @@ def batches(tiny_cfg, tiny_policy):
     ]
 
 
-def test_a_restored_learner_takes_exactly_the_next_step(tiny_cfg, tiny_policy, batches, tmp_path):
+def test_a_restored_learner_takes_exactly_the_next_step(
+    tiny_cfg, untrained_policy, batches, tmp_path
+):
     # shuffled minibatches over two epochs: the next step depends on the restored Python RNG
     ppo = tiny_cfg.ppo.model_copy(update={"epochs": 2, "minibatches": 2})
-    running = Learner(tiny_policy, ppo, temperature=1.0, seed=3)
+    running = Learner(untrained_policy, ppo, temperature=1.0, seed=3)
     running.update(batches[0])
     path = checkpoint.save_checkpoint(running.state_dict(), tmp_path, extra={"next_group": 2})
     expected = running.update(batches[1])
 
-    resumed = Learner(tiny_policy, ppo, temperature=1.0, seed=99)
+    resumed = Learner(untrained_policy, ppo, temperature=1.0, seed=99)
     state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path))
     resumed.load_state_dict(state)
     assert path.name == "step-000001" and state.counters["next_group"] == 2
@@ -47,9 +51,9 @@ def test_a_restored_learner_takes_exactly_the_next_step(tiny_cfg, tiny_policy, b
 
 
 def test_a_crash_while_writing_keeps_the_previous_checkpoint(
-    tiny_cfg, tiny_policy, batches, tmp_path, monkeypatch
+    tiny_cfg, untrained_policy, batches, tmp_path, monkeypatch
 ):
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     first = checkpoint.save_checkpoint(learner.state_dict(), tmp_path)
     learner.update(batches[0])
 
@@ -63,13 +67,13 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(
     monkeypatch.undo()
     assert checkpoint.latest_checkpoint(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000000"]
-    restored = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    restored = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     restored.load_state_dict(checkpoint.load_checkpoint(first))
     assert restored.version == 0
 
 
-def test_only_the_newest_checkpoints_are_kept(tiny_cfg, tiny_policy, tmp_path):
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+def test_only_the_newest_checkpoints_are_kept(tiny_cfg, untrained_policy, tmp_path):
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     for version in range(4):
         learner.version = version
         checkpoint.save_checkpoint(learner.state_dict(), tmp_path)
@@ -98,9 +102,9 @@ DAMAGE = {
 
 
 @pytest.fixture
-def two_checkpoints(tiny_cfg, tiny_policy, tmp_path):
+def two_checkpoints(tiny_cfg, untrained_policy, tmp_path):
     """``tmp_path`` with the checkpoints of versions 1 and 2 (latest: 2)."""
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     paths = []
     for version in (1, 2):
         learner.version = version
@@ -196,9 +200,9 @@ def test_a_resume_with_no_intact_checkpoint_is_one_clear_error(two_checkpoints, 
 
 
 def test_a_checkpoint_the_disk_cannot_hold_stops_with_one_line_and_keeps_the_previous(
-    tiny_cfg, tiny_policy, tmp_path, small_disk
+    tiny_cfg, untrained_policy, tmp_path, small_disk
 ):
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     learner.version = 1
     size = sum(
         f.stat().st_size

@@ -35,6 +35,7 @@ def _rank_update(rank, world_size, init_file, policy, ppo, trees, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes, the warm-started policy
 def test_two_learner_ranks_give_the_same_update_as_one(tiny_cfg, tiny_policy, tmp_path):
     worker = RolloutWorker(tiny_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling, seed=0)
     samples = MultihopTask(tiny_cfg.task.multihop).train_samples()[:4]

@@ -21,10 +21,10 @@ def _trees(cfg, policy, prompts=8):
     return trees_from_arrow(worker.expand(Lease(0, tuple(enumerate(samples)), seed=5)))
 
 
-def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, tiny_policy):
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, untrained_policy):
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     before = {k: v.clone() for k, v in learner.model.named_parameters()}
-    metrics = learner.update(_trees(tiny_cfg, tiny_policy))
+    metrics = learner.update(_trees(tiny_cfg, untrained_policy))
     unchanged = [k for k, v in learner.model.named_parameters() if torch.equal(v, before[k])]
     assert unchanged == []
     assert learner.version == 1 and metrics["learner/policy_version"] == 1.0
@@ -34,6 +34,7 @@ def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, tiny
         assert torch.equal(param, before[name])
 
 
+@pytest.mark.slow  # needs actions that search and answer: the warm-started policy
 def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
     """Rows of a few trees with gradient accumulation, or trees split over rows, give the loss
     and the gradient of one big row."""
@@ -67,19 +68,21 @@ def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
     "overrides",
     [{"epochs": 2, "minibatches": 2}, {"use_engine_logprobs": True}, {"loss_mode": "mean"}],
 )
-def test_update_variants_give_finite_metrics(tiny_cfg, tiny_policy, overrides):
-    learner = Learner(tiny_policy, tiny_cfg.ppo.model_copy(update=overrides), temperature=1.0)
-    metrics = learner.update(_trees(tiny_cfg, tiny_policy, prompts=4))
+def test_update_variants_give_finite_metrics(tiny_cfg, untrained_policy, overrides):
+    learner = Learner(untrained_policy, tiny_cfg.ppo.model_copy(update=overrides), temperature=1.0)
+    metrics = learner.update(_trees(tiny_cfg, untrained_policy, prompts=4))
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics["learner/policy_version"] == 1.0 and metrics["learner/grad_norm"] > 0
 
 
-def test_engine_logprobs_match_the_learner_recomputation(tiny_cfg, tiny_policy):
+def test_engine_logprobs_match_the_learner_recomputation(tiny_cfg, untrained_policy):
     """The rollout's behaviour log-probs equal the learner's forward on the same tokens."""
     from treegrpo_ray.packing import expand_paths
 
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
-    batch = expand_paths(_trees(tiny_cfg, tiny_policy, prompts=4), learner.tokenizer.pad_token_id)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
+    batch = expand_paths(
+        _trees(tiny_cfg, untrained_policy, prompts=4), learner.tokenizer.pad_token_id
+    )
     with torch.no_grad():
         logprobs, _ = token_logprobs(learner.model, batch.input_ids, batch.attention_mask)
     mask = batch.loss_mask.bool()
@@ -151,12 +154,12 @@ def test_pull_batch_stops_training_when_no_trees_arrive_in_time():
         )
 
 
-def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tiny_cfg, tiny_policy):
+def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tiny_cfg, untrained_policy):
 
-    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
-    poisoned = _trees(tiny_cfg, tiny_policy, prompts=2)
+    trees = _trees(tiny_cfg, untrained_policy, prompts=2)
+    poisoned = _trees(tiny_cfg, untrained_policy, prompts=2)
     poisoned[0].leaves()[0].reward = float("nan")  # NaN advantages -> NaN loss
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     before = {k: v.clone() for k, v in learner.model.named_parameters()}
     skipped = learner.update(poisoned)
     assert skipped["learner/skipped_updates"] == 1.0 and learner.version == 1
@@ -169,7 +172,9 @@ def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tiny_cfg
     assert learner.skipped_updates == 4
 
 
-def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_cfg, tiny_policy):
+def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(
+    tiny_cfg, untrained_policy
+):
     from treegrpo_ray.config import LoraSettings
     from treegrpo_ray.engine import LoraPayload
     from treegrpo_ray.learners.learner import packed_logprobs
@@ -177,9 +182,9 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_c
     from treegrpo_ray.packing import pack_trees
 
     lora = LoraSettings(enabled=True, rank=8, alpha=16)
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0, lora=lora)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0, lora=lora)
     before = {k: v.clone() for k, v in learner.model.named_parameters()}
-    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
+    trees = _trees(tiny_cfg, untrained_policy, prompts=2)
     for _ in range(2):  # B starts at zero: the second update is the first to move A
         learner.update(trees)
     changed = {k for k, v in learner.model.named_parameters() if not torch.equal(v, before[k])}
@@ -187,7 +192,7 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_c
     assert {k for k in before if "lora_" in k} == changed  # every adapter tensor moved
 
     batch = pack_trees(trees, 4096, learner.tokenizer.pad_token_id)
-    base, _ = load_policy(tiny_policy)
+    base, _ = load_policy(untrained_policy)
     with torch.no_grad():
         want = packed_logprobs(base, batch, 0)[0]
     # the learner's reference pass runs through oneDNN on CPU, the base model through torch
@@ -200,7 +205,7 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(tiny_c
     assert payload.adapter_state and all("lora_" in k for k in payload.adapter_state)
 
 
-def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, tiny_policy):
+def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, untrained_policy):
     """engine.vllm.lora_updates=merged: vLLM gets the base weights with the adapter added, a
     plain state dict with the base model's names whose model computes what the trained adapter
     does; the learner's model (and so its reference) is left as it was."""
@@ -210,9 +215,9 @@ def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, tiny_pol
     from treegrpo_ray.modeling import load_policy
 
     learner = Learner(
-        tiny_policy, tiny_cfg.ppo, temperature=1.0, lora=LoraSettings(enabled=True, rank=8)
+        untrained_policy, tiny_cfg.ppo, temperature=1.0, lora=LoraSettings(enabled=True, rank=8)
     )
-    trees = _trees(tiny_cfg, tiny_policy, prompts=2)
+    trees = _trees(tiny_cfg, untrained_policy, prompts=2)
     for _ in range(2):
         learner.update(trees)
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
@@ -222,7 +227,7 @@ def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, tiny_pol
     assert isinstance(learner.engine_state(tiny_cfg.engine), LoraPayload)  # the embedded engine
     assert all(torch.equal(v, before[k]) for k, v in learner.model.state_dict().items())
 
-    plain, _ = load_policy(tiny_policy)
+    plain, _ = load_policy(untrained_policy)
     assert merged.keys() == plain.state_dict().keys()
     plain.load_state_dict(merged)
     batch = pack_trees(trees, 4096, learner.tokenizer.pad_token_id)
@@ -234,15 +239,17 @@ def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, tiny_pol
     assert not torch.allclose(got, base, atol=1e-3)  # the adapter really changed the policy
 
 
-def test_bfloat16_mixed_keeps_float32_state_and_follows_the_float32_update(tiny_cfg, tiny_policy):
+def test_bfloat16_mixed_keeps_float32_state_and_follows_the_float32_update(
+    tiny_cfg, untrained_policy
+):
     """bfloat16-mixed: the forwards run under bfloat16 autocast, while weights, gradients and
     Adam's moments stay float32 (verl's and OpenRLHF's mixed precision); its loss and gradient
     follow the float32 update's within bfloat16's precision."""
-    trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    trees = _trees(tiny_cfg, untrained_policy, prompts=4)
     results = {}
     for precision in ("float32", "bfloat16-mixed"):
         ppo = tiny_cfg.ppo.model_copy(update={"precision": precision})
-        learner = Learner(tiny_policy, ppo, temperature=1.0, device="cpu")
+        learner = Learner(untrained_policy, ppo, temperature=1.0, device="cpu")
         metrics = learner.update(trees)
         grads = torch.cat([p.grad.flatten() for p in learner.model.parameters()])
         results[precision] = (metrics, grads, learner)
@@ -256,10 +263,10 @@ def test_bfloat16_mixed_keeps_float32_state_and_follows_the_float32_update(tiny_
     assert cosine > 0.95 and not torch.equal(mixed_grads, full_grads)  # autocast really ran
 
 
-def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, tiny_policy):
+def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, untrained_policy):
     """A bfloat16 vLLM engine is sent bfloat16 weights (half the bytes), the embedded engine and
     vLLM's auto dtype float32; both are copies, detached from the training weights."""
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     vllm_bf16 = tiny_cfg.engine.model_copy(update={"kind": "vllm"})
     vllm_bf16 = vllm_bf16.model_copy(
         update={"vllm": vllm_bf16.vllm.model_copy(update={"dtype": "bfloat16"})}
@@ -277,16 +284,16 @@ def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, tiny_policy):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_checkpointing_recomputes_layers_and_keeps_loss_and_gradients(
-    tiny_cfg, tiny_policy, lora
+    tiny_cfg, untrained_policy, lora
 ):
     from treegrpo_ray.config import LoraSettings
 
-    trees = _trees(tiny_cfg, tiny_policy, prompts=4)
+    trees = _trees(tiny_cfg, untrained_policy, prompts=4)
     settings = LoraSettings(enabled=lora, rank=8)
     results = []
     for checkpointing in (False, True):
         ppo = tiny_cfg.ppo.model_copy(update={"activation_checkpointing": checkpointing})
-        learner = Learner(tiny_policy, ppo, temperature=1.0, lora=settings)
+        learner = Learner(untrained_policy, ppo, temperature=1.0, lora=settings)
         layer = learner.model.get_decoder().layers[0]
         calls = []
         layer.register_forward_pre_hook(
@@ -303,9 +310,9 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_loss_and_gradients
         torch.testing.assert_close(saved_grads[name], grad, atol=1e-6, rtol=0, msg=name)
 
 
-def test_flex_attention_on_a_cpu_learner_is_refused_with_the_fix(tiny_cfg, tiny_policy):
+def test_flex_attention_on_a_cpu_learner_is_refused_with_the_fix(tiny_cfg, untrained_policy):
     from treegrpo_ray.errors import UserInputError
 
     ppo = tiny_cfg.ppo.model_copy(update={"attention": "flex"})
     with pytest.raises(UserInputError, match="ppo.attention=flex.*CUDA.*auto or sdpa"):
-        Learner(tiny_policy, ppo, temperature=1.0, device="cpu")
+        Learner(untrained_policy, ppo, temperature=1.0, device="cpu")

@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ["ruff", "check", "."],
         ["ruff", "format", "--check", "."],
-        ["mypy", "treegrpo_ray", "actors", "learners", "cluster"],
+        # a minute or two without its cache (a fresh clone): the slow tier
+        pytest.param(
+            ["mypy", "treegrpo_ray", "actors", "learners", "cluster"], marks=pytest.mark.slow
+        ),
     ],
     ids=["ruff-check", "ruff-format", "mypy"],
 )

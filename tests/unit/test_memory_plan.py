@@ -95,11 +95,13 @@ def test_the_kv_term_is_the_slots_when_max_model_len_binds_first():
     assert kv.setting == "engine.max_num_seqs x max_model_len"
 
 
-def test_train_refuses_a_local_job_over_the_node_before_ray_starts(tiny_policy, tmp_path, capsys):
+def test_train_refuses_a_local_job_over_the_node_before_ray_starts(
+    untrained_policy, tmp_path, capsys
+):
     import ray
 
     over = ["engine.max_kv_bytes=100000000000000", "engine.max_num_seqs=99999"]
-    sets = [f"model.path={tiny_policy}", f"train.output_dir={tmp_path}", *over]
+    sets = [f"model.path={untrained_policy}", f"train.output_dir={tmp_path}", *over]
     args = ["train", "tiny-multihop", "--quiet", *(x for s in sets for x in ("--set", s))]
     assert main(args) == 2
     error = capsys.readouterr().err

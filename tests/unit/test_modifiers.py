@@ -215,6 +215,7 @@ def test_modifiers_config_builds_the_node_modifiers_and_checks_its_values():
         load_config("tiny-multihop", ["ppo.modifiers.role_entropy_coef={answer: -1}"])
 
 
+@pytest.mark.slow  # needs actions that search and answer: the warm-started policy
 def test_learner_update_with_every_modifier_on(tiny_cfg, tiny_policy):
     from treegrpo_ray.actors.rollout_worker import RolloutWorker
     from treegrpo_ray.actors.schedule import Lease

@@ -20,8 +20,8 @@ def _expand(cfg, policy, tree: TreeConfig, sampling=None, prompts=8, seed=3):
 
 
 @pytest.mark.parametrize("m,n,l", [(2, 2, 1), (1, 3, 2), (3, 1, 1)])
-def test_every_tree_ends_with_one_plus_l_times_n_leaves(tiny_cfg, tiny_policy, m, n, l):  # noqa: E741
-    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=m, n=n, l=l))
+def test_every_tree_ends_with_one_plus_l_times_n_leaves(tiny_cfg, untrained_policy, m, n, l):  # noqa: E741
+    trees, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=m, n=n, l=l))
     assert Counter(t.group_id for t in trees) == {g: m for g in range(8)}
     assert [len(t.leaves()) for t in trees] == [1 + l * n] * len(trees)
     for tree in trees:  # every leaf is the end of a branch: no node below a finished one
@@ -29,14 +29,15 @@ def test_every_tree_ends_with_one_plus_l_times_n_leaves(tiny_cfg, tiny_policy, m
         assert not any(tree.node(p).finished for p in parents if p >= 0)
 
 
-def test_n_zero_gives_independent_chains(tiny_cfg, tiny_policy):
-    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=4, n=0, l=3))
+def test_n_zero_gives_independent_chains(tiny_cfg, untrained_policy):
+    trees, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=4, n=0, l=3))
     for tree in trees:
         children = Counter(node.parent_id for node in tree.nodes)
         assert max(children.values()) == 1
         assert len(tree.leaves()) == 1
 
 
+@pytest.mark.slow  # needs actions that search and answer: the warm-started policy
 def test_budget_counters_equal_what_was_produced(tiny_cfg, tiny_policy):
     trees, info = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1))
     assert sorted(info.budgets) == sorted({t.group_id for t in trees})
@@ -52,19 +53,19 @@ def test_budget_counters_equal_what_was_produced(tiny_cfg, tiny_policy):
     assert sum(n.cached_tokens for t in trees for n in t.nodes) > 0
 
 
-def test_over_long_actions_become_leaves_with_no_answer(tiny_cfg, tiny_policy):
+def test_over_long_actions_become_leaves_with_no_answer(tiny_cfg, untrained_policy):
     sampling = SamplingConfig(max_action_tokens=1)  # no action fits in one token
-    trees, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=1, n=2, l=1), sampling)
+    trees, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=1, n=2, l=1), sampling)
     leaves = [leaf for t in trees for leaf in t.leaves()]
     assert {leaf.finish_reason for leaf in leaves} == {"length"}
     assert {leaf.reward for leaf in leaves} == {0.0}
     assert all(len(leaf.action_ids) == 1 and leaf.obs_ids == [] for leaf in leaves)
 
 
-def test_same_lease_seed_gives_the_same_trees(tiny_cfg, tiny_policy):
-    first, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=11)
-    again, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=11)
-    other, _ = _expand(tiny_cfg, tiny_policy, TreeConfig(m=2, n=2, l=1), seed=12)
+def test_same_lease_seed_gives_the_same_trees(tiny_cfg, untrained_policy):
+    first, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=2, n=2, l=1), seed=11)
+    again, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=2, n=2, l=1), seed=11)
+    other, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=2, n=2, l=1), seed=12)
 
     def tokens(trees):
         return [n.action_ids for t in trees for n in t.nodes]
@@ -77,10 +78,10 @@ def test_same_lease_seed_gives_the_same_trees(tiny_cfg, tiny_policy):
     "select,allocate", [("entropy", "fixed"), ("uncertainty", "adaptive"), ("uniform", "adaptive")]
 )
 def test_selection_rules_keep_the_step_total_and_label_their_branches(
-    tiny_cfg, tiny_policy, select, allocate
+    tiny_cfg, untrained_policy, select, allocate
 ):
     tree = TreeConfig(m=2, n=2, l=1, select=select, allocate=allocate)
-    trees, info = _expand(tiny_cfg, tiny_policy, tree)
+    trees, info = _expand(tiny_cfg, untrained_policy, tree)
     leaves = [len(t.leaves()) for t in trees]
     assert sum(leaves) == 8 * 2 * 3  # M (1 + L N) per prompt, on average over the step
     if allocate == "fixed":
@@ -92,7 +93,7 @@ def test_selection_rules_keep_the_step_total_and_label_their_branches(
         assert len(labelled) == len(t.leaves()) - 1
         assert all(n.select_reason.startswith(select) for n in labelled)
         assert all(n.select_score is not None for n in labelled)
-    again, _ = _expand(tiny_cfg, tiny_policy, tree)
+    again, _ = _expand(tiny_cfg, untrained_policy, tree)
     assert [n.action_ids for t in again for n in t.nodes] == [
         n.action_ids for t in trees for n in t.nodes
     ]
@@ -133,7 +134,7 @@ def _leaf_paths(trees):
     return out
 
 
-def test_trees_do_not_depend_on_the_scheduling(tiny_cfg, tiny_policy):
+def test_trees_do_not_depend_on_the_scheduling(tiny_cfg, untrained_policy):
     """Continuous batching (each branch's next turn submitted when its observation is back), one
     sequence at a time, a KV byte bound that holds about two rows, and lock-step waves give the same
     trees: every request has its own seed, derived from its branch's, and a row's tokens do not
@@ -150,7 +151,7 @@ def test_trees_do_not_depend_on_the_scheduling(tiny_cfg, tiny_policy):
         ("waves", {}, True),
     ):
         engine = tiny_cfg.engine.model_copy(update=bounds)
-        worker = RolloutWorker(tiny_policy, tiny_cfg.task, shape, tiny_cfg.sampling, engine)
+        worker = RolloutWorker(untrained_policy, tiny_cfg.task, shape, tiny_cfg.sampling, engine)
         if waves:
             worker.engine = GenerateOnly(worker.engine)
         results[name] = _leaf_paths(trees_from_arrow(worker.expand(lease)))

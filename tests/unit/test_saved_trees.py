@@ -142,14 +142,16 @@ def test_adaptive_expansion_columns_are_shown_when_the_trees_carry_them():
     )
 
 
-def test_the_learner_saves_what_its_update_gave_each_node(tiny_cfg, tiny_policy, tmp_path):
+def test_the_learner_saves_what_its_update_gave_each_node(tiny_cfg, untrained_policy, tmp_path):
     """Real trees, a real update: the saved leaf advantages are Tree-GRPO's of the leaf rewards,
     each node's routed advantage is the sum over the leaves below it (paper mode), the text is
     the tokenizer's decoding of the saved tokens."""
-    worker = RolloutWorker(tiny_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling, seed=0)
+    worker = RolloutWorker(
+        untrained_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling, seed=0
+    )
     samples = MultihopTask(tiny_cfg.task.multihop).train_samples()[:4]
     trees = trees_from_arrow(worker.expand(Lease(0, tuple(enumerate(samples)), seed=5)))
-    learner = Learner(tiny_policy, tiny_cfg.ppo, temperature=1.0)
+    learner = Learner(untrained_policy, tiny_cfg.ppo, temperature=1.0)
     metrics = learner.update(trees)
     path = learner.save_trees(tmp_path, trees, metrics)
 
