@@ -144,7 +144,7 @@ class RolloutWorker:
             torch_threads=cfg.cluster.torch_threads,
             search=search,
             lora=cfg.engine.adapter_updates(cfg.model.lora.enabled),
-            prompt_format=cfg.model.prompt_format(),
+            prompt_format=PromptFormat.of(cfg.model),
             workers_on_node=workers_on_node,
         )
 

@@ -25,9 +25,9 @@ import torch
 import transformers
 
 import treegrpo_ray.learners.checkpoint as checkpoint
-from treegrpo_ray.config import load_config
+from treegrpo_ray.config import TinyModelConfig, load_config
 from treegrpo_ray.learners.learner import Learner
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 
 SMOLLM2 = transformers.LlamaConfig(
     vocab_size=49152,

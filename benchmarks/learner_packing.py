@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 from treegrpo_ray.advantage import tree_grpo_advantages
+from treegrpo_ray.config import PPOConfig, TinyModelConfig
 from treegrpo_ray.learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.packing import PackedBatch, PathBatch, expand_paths, pack_trees
 from treegrpo_ray.planner import TreePlanner, TreeShape
 from treegrpo_ray.tree import ROOT, Tree
@@ -47,7 +48,7 @@ MODELS = {
     ),
 }
 SHAPES = {"standard": TreeShape(m=2, n=2, l=1), "deep": TreeShape(m=2, n=2, l=2)}
-COEF = PPOCoefficients()
+COEF = PPOCoefficients.of(PPOConfig())
 
 
 def synthetic_trees(shape: TreeShape, prompts: int, seed: int) -> list[Tree]:

@@ -36,12 +36,19 @@ import torch
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
-from treegrpo_ray.config import EngineConfig, JobConfig, TaskConfig, TreeConfig, load_config
+from treegrpo_ray.config import (
+    EngineConfig,
+    JobConfig,
+    TaskConfig,
+    TinyModelConfig,
+    TreeConfig,
+    load_config,
+)
 from treegrpo_ray.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopTask
 from treegrpo_ray.learners.warmstart import warm_start
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, load_tokenizer
+from treegrpo_ray.modeling import build_tiny_model, load_tokenizer
 from treegrpo_ray.tree import batch_info
 
 LARGE = TinyModelConfig(

@@ -24,6 +24,7 @@ from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.cluster.engines import vllm_actor_options
 from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.config import JobConfig
+from treegrpo_ray.modeling import PromptFormat
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class RolloutPool:
                 torch_threads=self.cfg.cluster.torch_threads,
                 search=self.search,
                 lora=engine.adapter_updates(self.cfg.model.lora.enabled),
-                prompt_format=self.cfg.model.prompt_format(),
+                prompt_format=PromptFormat.of(self.cfg.model),
                 workers_on_node=self.workers_per_node,
             )
         )

@@ -49,6 +49,7 @@ from treegrpo_ray.metrics import (
     tree_metrics,
 )
 from treegrpo_ray.modeling import load_policy
+from treegrpo_ray.modifiers import node_modifiers, reward_normalizer
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 from treegrpo_ray.packing import PackedBatch, pack_trees
 from treegrpo_ray.saved_trees import (
@@ -252,8 +253,8 @@ class Learner:
         self.optimizer = torch.optim.Adam(trainable, lr=ppo.lr)
         self.ppo = ppo
         self.temperature = temperature
-        self.modifiers = ppo.modifiers.node_modifiers(ppo.kl_coef, ppo.entropy_coef)
-        self.reward_norm = ppo.modifiers.reward_normalizer()  # running state, in checkpoints
+        self.modifiers = node_modifiers(ppo.modifiers, ppo.kl_coef, ppo.entropy_coef)
+        self.reward_norm = reward_normalizer(ppo.modifiers)  # running state, in checkpoints
         self.rng = random.Random(seed)
         self.rank, self.world_size = world()
         self.version = 0
@@ -491,7 +492,7 @@ class Learner:
     def _optimize(self, minibatches: list[Minibatch]) -> Iterator[dict[str, float]]:
         """Yield the statistics of each optimizer step: per epoch, every minibatch in a new
         order (``learner/nonfinite_steps`` 1 for a step skipped as non-finite)."""
-        coef = self.ppo.coefficients()
+        coef = PPOCoefficients.of(self.ppo)
         for _ in range(self.ppo.epochs):
             for mb in self.rng.sample(minibatches, len(minibatches)):
                 stats = self._step(mb, coef)

@@ -37,7 +37,7 @@ from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.learners.learner import with_lora_adapter
 from treegrpo_ray.learners.warmstart import LOG_NAME, accumulate_gradients, lr_factor
 from treegrpo_ray.metrics import format_valid_share
-from treegrpo_ray.modeling import encode_prompt, load_policy
+from treegrpo_ray.modeling import PromptFormat, encode_prompt, load_policy
 from treegrpo_ray.tree import Tree
 
 FORMAT_VERSION = 1  # bump when the recipe changes, so old cache entries are not reused
@@ -95,7 +95,7 @@ class Demonstrations:
         if rng.random() < self.cfg.warmstart.noise:
             wrong = rng.choice([t for t in self.titles.values() if t not in sample.answers])
         prompt, state = self.env.reset(sample)
-        ids = encode_prompt(self.tokenizer, prompt, self.cfg.model.prompt_format())
+        ids = encode_prompt(self.tokenizer, prompt, PromptFormat.of(self.cfg.model))
         mask = [False] * len(ids)
         for action in demonstration_actions(sample, self.titles, wrong):
             result = self.env.step(state, action)
@@ -130,7 +130,7 @@ def measure(cfg: JobConfig, policy: Path) -> dict[str, dict[str, float]]:
         cfg.engine.model_copy(update={"kind": "hf"}),
         seed=cfg.warmstart.seed,
         torch_threads=cfg.cluster.torch_threads,
-        prompt_format=cfg.model.prompt_format(),
+        prompt_format=PromptFormat.of(cfg.model),
     )
     env = worker.env
     assert isinstance(env, SearchQAEnv)

@@ -25,10 +25,10 @@ import torch
 from tqdm import tqdm
 
 from treegrpo_ray.atomic_dir import new_directory
-from treegrpo_ray.config import WarmStartConfig
+from treegrpo_ray.config import TinyModelConfig, WarmStartConfig
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 
 FORMAT_VERSION = 1  # bump when the training recipe changes, so old cache entries are not reused
 LOG_NAME = "warmstart_log.json"

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import pytest
 
-from treegrpo_ray.config import JobConfig, load_config
+from treegrpo_ray.config import JobConfig, TinyModelConfig, load_config
 from treegrpo_ray.envs.multihop import MultihopTask
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150

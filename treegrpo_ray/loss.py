@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages
+from treegrpo_ray.config import PPOConfig
 
 
 @dataclass(frozen=True)
@@ -25,11 +26,16 @@ class PPOCoefficients:
     weight of the entropy bonus; kl_clamp: the k3 estimate with the reference code's clamps
     (``k3_kl``)."""
 
-    clip_ratio: float = 0.2
-    dual_clip: float = 3.0
-    kl_coef: float = 0.001
-    entropy_coef: float = 0.001
-    kl_clamp: bool = True
+    clip_ratio: float
+    dual_clip: float
+    kl_coef: float
+    entropy_coef: float
+    kl_clamp: bool
+
+    @classmethod
+    def of(cls, ppo: PPOConfig) -> PPOCoefficients:
+        """The coefficients of ``ppo`` (its defaults: ``PPOCoefficients.of(PPOConfig())``)."""
+        return cls(ppo.clip_ratio, ppo.dual_clip, ppo.kl_coef, ppo.entropy_coef, ppo.kl_clamp)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

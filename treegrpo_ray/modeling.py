@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from pydantic import BaseModel, Field, model_validator
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from treegrpo_ray.config import ModelConfig, TinyModelConfig
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.hub import resolve_policy_path
 
@@ -50,27 +50,6 @@ def build_word_tokenizer(
     )
     tokenizer.save_pretrained(str(path))
     return tokenizer
-
-
-class TinyModelConfig(BaseModel, extra="forbid"):
-    """Shape of the tiny Qwen2 policy (about 0.5M parameters at the defaults)."""
-
-    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
-    num_layers: int = Field(2, ge=1, description="Transformer decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Query heads per attention layer.")
-    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
-    intermediate_size: int = Field(512, ge=1, description="Width of the SwiGLU MLP.")
-    max_positions: int = Field(512, ge=16, description="Longest token sequence the model accepts.")
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model.hidden_size={self.hidden_size}, model.num_heads={self.num_heads}, "
-                f"model.num_kv_heads={self.num_kv_heads}: num_heads must divide hidden_size and "
-                "num_kv_heads must divide num_heads; e.g. 128 / 4 / 2"
-            )
-        return self
 
 
 def build_tiny_model(
@@ -155,6 +134,10 @@ class PromptFormat:
 
     chat_template: bool = False
     system_prompt: str | None = None
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> PromptFormat:
+        return cls(model.chat_template, model.system_prompt)
 
 
 def encode_prompt(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treegrpo_ray.advantage import EPS, RoutedAdvantages
+from treegrpo_ray.config import ModifiersConfig
 
 
 @dataclass(frozen=True)
@@ -147,3 +148,28 @@ class DepthRewardNorm:
         depths = [int(d) for d in state["depths"]]
         self.mean = dict(zip(depths, map(float, state["mean"]), strict=True))
         self.var = dict(zip(depths, map(float, state["var"]), strict=True))
+
+
+def node_modifiers(
+    cfg: ModifiersConfig, kl_coef: float, entropy_coef: float
+) -> NodeModifiers | None:
+    """The per-node modifiers of ``ppo.modifiers`` over the run's coefficients; None when all are
+    off."""
+    if not (cfg.depth_decay or cfg.role_kl_coef or cfg.role_entropy_coef or cfg.frozen_roles):
+        return None
+    decay = cfg.depth_decay
+    return NodeModifiers(
+        kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
+        depth_decay=None if decay is None else DepthDecay(decay.first, decay.per_level),
+        role_kl_coef=dict(cfg.role_kl_coef),
+        role_entropy_coef=dict(cfg.role_entropy_coef),
+        frozen_roles=frozenset(cfg.frozen_roles),
+    )
+
+
+def reward_normalizer(cfg: ModifiersConfig) -> DepthRewardNorm | None:
+    """A fresh per-depth reward normaliser of ``ppo.modifiers``; None when off."""
+    if cfg.reward_norm_momentum is None:
+        return None
+    return DepthRewardNorm(cfg.reward_norm_momentum)

@@ -31,14 +31,17 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from treegrpo_ray.tree import ROOT, Tree
 
-SELECT_RULES = ("uniform", "entropy", "uncertainty")
+SelectRule = Literal["uniform", "entropy", "uncertainty"]
+SELECT_RULES: tuple[str, ...] = get_args(SelectRule)
 # A rule's score of one node: (its stats, times this round picked it, picks in its tree this round)
 # -> (score, reason).
 Scorer = Callable[["NodeStats", int, int], tuple[float, str]]
-ALLOCATE_RULES = ("fixed", "adaptive")
+AllocateRule = Literal["fixed", "adaptive"]
+ALLOCATE_RULES: tuple[str, ...] = get_args(AllocateRule)
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,12 @@ class TreeShape:
 class Selection:
     """How a round's expansions are chosen (the ``tree.*`` config documents each field)."""
 
-    rule: str = "uniform"
+    rule: SelectRule = "uniform"
     sibling_penalty: float = 0.05  # entropy: subtracted per branch a node already has beyond one
     exploration: float = 0.25  # uncertainty: c of the count bonus
     entropy_weight: float = 0.5  # uncertainty: weight of the subtree's token entropy
     prior_strength: float = 1.0  # uncertainty: pseudo-leaves of the prompt's mean reward
-    allocate: str = "fixed"
+    allocate: AllocateRule = "fixed"
     allocate_floor: int = 1  # adaptive: expansions every tree keeps per round
 
     def __post_init__(self) -> None:

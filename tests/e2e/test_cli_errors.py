@@ -162,7 +162,8 @@ def test_vllm_engine_without_vllm_installed(treegrpo, tmp_path, monkeypatch):
 
 
 def test_tokenizer_that_does_not_match_the_model(treegrpo, tmp_path):
-    from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+    from treegrpo_ray.config import TinyModelConfig
+    from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 
     build_word_tokenizer([f"w{i}" for i in range(20)], tmp_path)  # 23 tokens
     build_tiny_model(TinyModelConfig(num_layers=1), vocab_size=8, seed=0).save_pretrained(tmp_path)

@@ -8,9 +8,9 @@ import torch
 
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import train
-from treegrpo_ray.config import load_config
+from treegrpo_ray.config import TinyModelConfig, load_config
 from treegrpo_ray.envs.qa_fixture import build_fixture
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, build_word_tokenizer
+from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 
 pytestmark = pytest.mark.ray
 

@@ -22,7 +22,13 @@ from treegrpo_ray.config import TreeConfig
 from treegrpo_ray.envs.search_qa import SearchQATask, parse_action
 from treegrpo_ray.learners.learner import packed_logprobs
 from treegrpo_ray.learners.warmstart import LOG_NAME
-from treegrpo_ray.modeling import check_policy_dir, encode_prompt, load_policy, load_tokenizer
+from treegrpo_ray.modeling import (
+    PromptFormat,
+    check_policy_dir,
+    encode_prompt,
+    load_policy,
+    load_tokenizer,
+)
 from treegrpo_ray.packing import pack_trees
 from treegrpo_ray.pretrained import prepare_model
 from treegrpo_ray.qa_data import search_r1_prompt
@@ -93,7 +99,7 @@ def test_the_prepared_model_is_a_complete_model_directory(base_dir):
 def test_the_chat_prompt_is_the_template_with_one_start_token(smollm2_cfg, base_dir):
     tokenizer = load_tokenizer(base_dir)
     prompt = search_r1_prompt("Who founded Morhes?")
-    ids = encode_prompt(tokenizer, prompt, smollm2_cfg.model.prompt_format())
+    ids = encode_prompt(tokenizer, prompt, PromptFormat.of(smollm2_cfg.model))
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
     assert text.endswith(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")

@@ -1,8 +1,13 @@
-"""Presets and ``extends``: a config file that overrides another one's fields."""
+"""Presets and ``extends``: a config file that overrides another one's fields; reading a config
+without the runtime; the vLLM build resolved once, where the config is read."""
+
+import subprocess
+import sys
 
 import pytest
 
-from treegrpo_ray.config import _changed_fields, load_config, preset_names
+from treegrpo_ray.config import installed_vllm_build, load_config, preset_names, save_run_config
+from treegrpo_ray.config.resume import changed_fields, resume_config
 from treegrpo_ray.errors import UserInputError
 
 
@@ -15,7 +20,7 @@ def test_every_preset_loads():
 def test_the_lora_preset_differs_from_its_base_only_where_it_says():
     base = load_config("tiny-multihop").model_dump(mode="json")
     lora = load_config("tiny-multihop-lora").model_dump(mode="json")
-    changed = _changed_fields(base, lora)
+    changed = changed_fields(base, lora)
     assert sorted(changed) == ["model.lora.enabled", "name", "ppo.lr"]  # rank 8, alpha 16: defaults
     assert lora["model"]["lora"]["rank"] == 8 and lora["model"]["lora"]["alpha"] == 16
 
@@ -70,3 +75,26 @@ def test_required_resources_count_every_worker_and_the_simulated_engine_stands_i
     )
     assert simulated.worker_engine().kind == "hf"
     assert simulated.required_resources() == cfg.required_resources()  # Ray still places vLLM
+
+
+def test_reading_and_validating_every_preset_imports_no_runtime():
+    code = (
+        "import sys\n"
+        "from treegrpo_ray.config import load_config, preset_names\n"
+        "for name in preset_names():\n"
+        "    load_config(name, ['engine.kind=vllm'])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'ray') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_vllm_device_is_resolved_on_reading_and_saved_with_the_run(tmp_path):
+    build_device = "cpu" if installed_vllm_build() == "cpu" else "cuda"
+    cfg = load_config("tiny-multihop", ["engine.kind=vllm", f"train.output_dir={tmp_path}"])
+    assert cfg.engine.vllm.device == build_device  # "auto" in the preset
+    save_run_config(cfg)
+    assert f"device: {build_device}" in (cfg.run_dir / "config.yaml").read_text()
+    assert resume_config(cfg.run_dir, None).engine.vllm.device == build_device
+    explicit = load_config("tiny-multihop", ["engine.vllm.device=cuda"])
+    assert explicit.engine.vllm.device == "cuda"

@@ -4,8 +4,9 @@ import torch
 
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.engines.slot_kv import SlotKV
+from treegrpo_ray.config import TinyModelConfig
 from treegrpo_ray.engine import GenerationRequest, SamplingParams
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 
 VOCAB = 40
 

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from treegrpo_ray.config import PPOConfig
 from treegrpo_ray.loss import (
     PPOCoefficients,
     dual_clip_pg_losses,
@@ -33,7 +34,13 @@ def test_ppo_loss_matches_hand_computed_value():
     # entropy mean = (1 + 2 + 3 + 2) / 4 = 2
     # loss = 0.1 + 0.001 * 0.125 - 0.001 * 2 = 0.098125
     loss, stats = ppo_loss(
-        logprobs, old_logprobs, ref_logprobs, entropy, advantages, mask, PPOCoefficients()
+        logprobs,
+        old_logprobs,
+        ref_logprobs,
+        entropy,
+        advantages,
+        mask,
+        PPOCoefficients.of(PPOConfig()),
     )
     assert loss.item() == pytest.approx(0.098125, abs=1e-6)
     assert stats["learner/pg_loss"] == pytest.approx(0.1, abs=1e-6)
@@ -81,8 +88,8 @@ def test_the_loss_uses_the_kl_clamp_setting():
     ref = torch.tensor([[3.0, 0.5]])
     mask = torch.ones(1, 2)
     args = (logprobs, logprobs, ref, torch.zeros(1, 2), torch.zeros(1, 2), mask)
-    _, clamped = ppo_loss(*args, PPOCoefficients())
-    _, free = ppo_loss(*args, PPOCoefficients(kl_clamp=False))
+    _, clamped = ppo_loss(*args, PPOCoefficients.of(PPOConfig()))
+    _, free = ppo_loss(*args, PPOCoefficients.of(PPOConfig(kl_clamp=False)))
     half = math.exp(0.5) - 1.5
     assert clamped["learner/kl"] == pytest.approx((10.0 + half) / 2)
     assert free["learner/kl"] == pytest.approx((math.exp(3.0) - 4.0 + half) / 2)
@@ -98,7 +105,7 @@ def test_gradient_flows_only_through_masked_tokens():
         torch.zeros(1, 3),
         torch.ones(1, 3),
         mask,
-        PPOCoefficients(kl_coef=0.0, entropy_coef=0.0),
+        PPOCoefficients.of(PPOConfig(kl_coef=0.0, entropy_coef=0.0)),
     )
     loss.backward()
     # d/dlogp of -A * exp(logp - old) at ratio 1 is -A = -1, divided by 2 masked tokens
@@ -123,7 +130,9 @@ def test_is_weights_scale_the_policy_gradient_term_only():
         leaves=torch.ones(1, 2),
         weights=torch.ones(2),
     )
-    coef = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.0, entropy_coef=0.0)
+    coef = PPOCoefficients(
+        clip_ratio=0.2, dual_clip=3.0, kl_coef=0.0, entropy_coef=0.0, kl_clamp=True
+    )
     args = (logprobs, logprobs.detach(), logprobs.detach(), torch.zeros(2), routed)
     loss, _ = routed_ppo_loss(*args, torch.ones(2), 2.0, coef, torch.tensor([0.5, 2.0]))
     # ratio 1 on both tokens: pg = (-1 * 0.5 + 1 * 2.0) / 2 = 0.75

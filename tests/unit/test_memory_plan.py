@@ -2,7 +2,7 @@
 the tiny Qwen2, the engine's and learner's terms, the refusal and ``treegrpo plan``."""
 
 from treegrpo_ray.cluster.cli import main
-from treegrpo_ray.config import JobConfig, LoraSettings
+from treegrpo_ray.config import JobConfig, LoraSettings, TinyModelConfig
 from treegrpo_ray.learners.learner import with_lora_adapter
 from treegrpo_ray.memory_plan import (
     GB,
@@ -12,7 +12,7 @@ from treegrpo_ray.memory_plan import (
     expected_rollout_worker,
     local_node_plan,
 )
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 
 LORA = LoraSettings(enabled=True, rank=2)
 

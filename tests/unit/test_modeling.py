@@ -7,9 +7,9 @@ import torch
 import transformers
 from pydantic import ValidationError
 
+from treegrpo_ray.config import TinyModelConfig
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.modeling import (
-    TinyModelConfig,
     build_tiny_model,
     build_word_tokenizer,
     load_policy,

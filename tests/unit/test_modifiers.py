@@ -9,11 +9,17 @@ import torch
 from treegrpo_ray.config import PPOConfig, load_config
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss
-from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
+from treegrpo_ray.modifiers import (
+    DepthDecay,
+    DepthRewardNorm,
+    NodeModifiers,
+    node_modifiers,
+    reward_normalizer,
+)
 from treegrpo_ray.packing import pack_trees
 from treegrpo_ray.tree import ROOT, Tree
 
-CLIP = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.5, entropy_coef=0.25)
+CLIP = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.5, entropy_coef=0.25, kl_clamp=True)
 
 
 def _add(tree, parent, action_ids, role, reward=math.nan, obs_ids=()):
@@ -138,8 +144,8 @@ def test_frozen_roles_leave_the_loss_and_the_denominator():
 
 def test_defaults_leave_the_routed_loss_bit_identical():
     config = PPOConfig()
-    assert config.modifiers.node_modifiers(config.kl_coef, config.entropy_coef) is None
-    assert config.modifiers.reward_normalizer() is None
+    assert node_modifiers(config.modifiers, config.kl_coef, config.entropy_coef) is None
+    assert reward_normalizer(config.modifiers) is None
     batch = _batch()
     advantages = torch.tensor([1.5, 0.5, -2.0])
     plain = batch.route(advantages, "paper")
@@ -200,7 +206,7 @@ def test_modifiers_config_builds_the_node_modifiers_and_checks_its_values():
             "ppo.modifiers.reward_norm_momentum=0.9",
         ],
     )
-    modifiers = cfg.ppo.modifiers.node_modifiers(cfg.ppo.kl_coef, cfg.ppo.entropy_coef)
+    modifiers = node_modifiers(cfg.ppo.modifiers, cfg.ppo.kl_coef, cfg.ppo.entropy_coef)
     assert modifiers == NodeModifiers(
         kl_coef=cfg.ppo.kl_coef,
         entropy_coef=cfg.ppo.entropy_coef,
@@ -208,7 +214,7 @@ def test_modifiers_config_builds_the_node_modifiers_and_checks_its_values():
         role_kl_coef={"search": 0.002, "answer": 0.0005},
         frozen_roles=frozenset({"truncated"}),
     )
-    assert cfg.ppo.modifiers.reward_normalizer().momentum == 0.9
+    assert reward_normalizer(cfg.ppo.modifiers).momentum == 0.9
     with pytest.raises(UserInputError, match="ppo.modifiers.depth_decay.per_level"):
         load_config("tiny-multihop", ["ppo.modifiers.depth_decay={first: 1, per_level: 0}"])
     with pytest.raises(UserInputError, match="ppo.modifiers.role_entropy_coef.answer"):

@@ -4,9 +4,9 @@ for frozen layers the same input gradients."""
 import pytest
 import torch
 
-from treegrpo_ray.config import LoraSettings
+from treegrpo_ray.config import LoraSettings, TinyModelConfig
 from treegrpo_ray.learners.learner import with_lora_adapter
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
 pytestmark = pytest.mark.skipif(

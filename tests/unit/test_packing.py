@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from treegrpo_ray.advantage import route_to_nodes
+from treegrpo_ray.config import PPOConfig, TinyModelConfig
 from treegrpo_ray.learners.learner import packed_logprobs, token_logprobs
 from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees
 from treegrpo_ray.tree import ROOT, Tree
 from treegrpo_ray.tree_attention import TREE_FLEX
@@ -323,7 +324,9 @@ def test_paper_mode_loss_and_every_gradient_equal_the_path_expanded_ones(
     """Whole trees, or (``split``) trees split over a budget of the longest path."""
     trees = _forest(seed, trees=4, depth=depth, branches=branches)
     model, ref_model = _model(seed), _model(seed + 100).requires_grad_(False)
-    coef = PPOCoefficients(clip_ratio=0.2, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.05)
+    coef = PPOCoefficients(
+        clip_ratio=0.2, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.05, kl_clamp=True
+    )
     leaves = sum(len(t.leaves()) for t in trees)
     advantages = torch.randn(leaves, generator=torch.Generator().manual_seed(seed)) * 2
     advantages[0] = 0.0  # a zero advantage counts in the token-mean but not in the clip fraction
@@ -395,7 +398,14 @@ def test_mean_mode_matches_hand_computed_value():
     #   mean = (0.75 + 0.5 - 1 - 0.5 - 0.5 + 6) / 6 = 5.25 / 6 = 0.875
     # KL 0 (ref = logprobs); entropy mean 1; loss = 0.875 + 0 - 0.001 * 1 = 0.874
     loss, stats = routed_ppo_loss(
-        logprobs, old, logprobs, entropy, routed, batch.loss_mask, denominator, PPOCoefficients()
+        logprobs,
+        old,
+        logprobs,
+        entropy,
+        routed,
+        batch.loss_mask,
+        denominator,
+        PPOCoefficients.of(PPOConfig()),
     )
     assert loss.item() == pytest.approx(0.874, abs=1e-6)
     assert stats["learner/pg_loss"] == pytest.approx(0.875, abs=1e-6)

@@ -6,8 +6,9 @@ import torch
 
 from treegrpo_ray.actors.engines.hf_engine import HFEngine
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
+from treegrpo_ray.config import TinyModelConfig
 from treegrpo_ray.engine import GenerationRequest, SamplingParams
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 
 LAYERS, HEADS, DIM = 2, 1, 2
 TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 4  # key + value, fp32

@@ -27,10 +27,10 @@ from treegrpo_ray.actors.engines.vllm_engine import (
     write_peft_adapter,
 )
 from treegrpo_ray.cluster.engines import tensor_parallel_bundles
-from treegrpo_ray.config import EngineConfig, JobConfig, VLLMConfig, load_config
+from treegrpo_ray.config import EngineConfig, JobConfig, TinyModelConfig, VLLMConfig, load_config
 from treegrpo_ray.engine import GenerationRequest, LoraPayload, SamplingParams
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model
+from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.stops import StopStrings
 
 # The test doubles' token texts: 7 9 spell the stop string "</s>"; 10 is ">\n", a token that runs

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treegrpo_ray.config import WarmStartConfig
+from treegrpo_ray.config import TinyModelConfig, WarmStartConfig
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopEnv, MultihopTask
 from treegrpo_ray.learners.warmstart import (
     LOG_NAME,
@@ -20,7 +20,7 @@ from treegrpo_ray.learners.warmstart import (
     demonstration_tokens,
     warm_start,
 )
-from treegrpo_ray.modeling import TinyModelConfig, build_tiny_model, load_policy
+from treegrpo_ray.modeling import build_tiny_model, load_policy
 
 TASK = MultihopConfig(train_questions=128, heldout_questions=16)
 MODEL = TinyModelConfig(

@@ -1,34 +1,20 @@
-"""Typed job configuration (``JobConfig``): a preset name or a YAML file (which may start with
-``extends: PRESET_OR_PATH`` and list only what it changes), then ``a.b=value`` overrides.
-
-Every field is documented once, here, where it is defined. Validation errors become one-line
-``UserInputError`` messages that name the field, the value seen and the fix. A run saves its
-resolved config (``save_run_config``); ``resume_config`` reloads it and accepts only the changes
-in ``RESUMABLE_CHANGES``.
-"""
+"""The job configuration's schema (``JobConfig`` and its sections): every field with its type,
+bounds, default and documentation, written once, here. Imports no torch: a config is read
+without the runtime."""
 
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import os
-from collections.abc import Mapping
-from fnmatch import fnmatch
-from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treegrpo_ray.envs.multihop import MultihopConfig
 from treegrpo_ray.envs.search_qa import SearchQAConfig
-from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.loss import PPOCoefficients
-from treegrpo_ray.modeling import PromptFormat, TinyModelConfig
-from treegrpo_ray.modifiers import DepthDecay, DepthRewardNorm, NodeModifiers
-from treegrpo_ray.planner import Selection, TreeShape
+from treegrpo_ray.planner import AllocateRule, Selection, SelectRule, TreeShape
 
 
 class _Section(BaseModel):
@@ -48,6 +34,27 @@ class TaskConfig(_Section):
     def _search_qa_has_data(self) -> TaskConfig:
         if self.name == "search_qa":
             self.search_qa.check_sources()
+        return self
+
+
+class TinyModelConfig(BaseModel, extra="forbid"):
+    """Shape of the tiny Qwen2 policy (about 0.5M parameters at the defaults)."""
+
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, description="Transformer decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Query heads per attention layer.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(512, ge=1, description="Width of the SwiGLU MLP.")
+    max_positions: int = Field(512, ge=16, description="Longest token sequence the model accepts.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size}, model.num_heads={self.num_heads}, "
+                f"model.num_kv_heads={self.num_kv_heads}: num_heads must divide hidden_size and "
+                "num_kv_heads must divide num_heads; e.g. 128 / 4 / 2"
+            )
         return self
 
 
@@ -104,9 +111,6 @@ class ModelConfig(_Section):
             )
         return self
 
-    def prompt_format(self) -> PromptFormat:
-        return PromptFormat(self.chat_template, self.system_prompt)
-
 
 class WarmStartConfig(_Section):
     """Supervised warm start: optimisation, demonstration noise and where results are cached."""
@@ -130,12 +134,14 @@ class WarmStartConfig(_Section):
 
 
 class TreeConfig(_Section):
+    """The tree search; the selection rule's defaults are ``planner.Selection``'s."""
+
     m: int = Field(2, gt=0, description="Trees per prompt (each seeded by one full chain).")
     n: int = Field(2, ge=0, description="Nodes expanded per tree per round; 0 = chain GRPO.")
     l: int = Field(1, ge=0, description="Expansion rounds.")  # noqa: E741 - the paper's name
     k: int | None = Field(None, gt=0, description="Leaves kept per tree; null keeps all.")
-    select: Literal["uniform", "entropy", "uncertainty"] = Field(
-        "uniform",
+    select: SelectRule = Field(
+        Selection.rule,
         description="Which N nodes a round expands per tree (docs/algorithm.md): uniform (the "
         "paper's: uniform draws with replacement), entropy (the N distinct nodes whose next "
         "action had the highest mean token entropy, minus sibling_penalty per extra branch; after "
@@ -143,38 +149,38 @@ class TreeConfig(_Section):
         "uncertainty, a count bonus and its actions' entropy; after InfoTree's UUCB).",
     )
     sibling_penalty: float = Field(
-        0.05,
+        Selection.sibling_penalty,
         ge=0,
         description="entropy: score subtracted per branch a node already has beyond its first "
         "(AT2PO's code uses 0.05).",
     )
     exploration: float = Field(
-        0.25,
+        Selection.exploration,
         ge=0,
         description="uncertainty: c of the count bonus c * sqrt(ln(1 + branches of the tree) / "
         "actions sampled from the node).",
     )
     entropy_weight: float = Field(
-        0.5,
+        Selection.entropy_weight,
         ge=0,
         description="uncertainty: weight of the token-weighted mean entropy (nats) of the "
         "actions below the node.",
     )
     prior_strength: float = Field(
-        1.0,
+        Selection.prior_strength,
         gt=0,
         description="uncertainty: pseudo-leaves at the prompt's mean reward added to a node's "
         "leaves when estimating the uncertainty of its mean reward.",
     )
-    allocate: Literal["fixed", "adaptive"] = Field(
-        "fixed",
+    allocate: AllocateRule = Field(
+        Selection.allocate,
         description="How a round's M * N expansions per prompt are spread: fixed (the paper's: "
         "N per tree) or adaptive (same total per round, moved from prompts whose leaves already "
         "disagree to those whose leaves share one reward, most to the rarest rewards; "
         "docs/algorithm.md).",
     )
     allocate_floor: int = Field(
-        1,
+        Selection.allocate_floor,
         ge=0,
         description="adaptive: expansions every tree keeps per round (at most n); the rest are "
         "pooled. A tree gets at most 2 * n.",
@@ -449,28 +455,6 @@ class ModifiersConfig(_Section):
         "updates with this momentum) before the advantages. null: off.",
     )
 
-    def node_modifiers(self, kl_coef: float, entropy_coef: float) -> NodeModifiers | None:
-        """The per-node modifiers over the run's coefficients; None when all are off."""
-        if not (
-            self.depth_decay or self.role_kl_coef or self.role_entropy_coef or self.frozen_roles
-        ):
-            return None
-        decay = self.depth_decay
-        return NodeModifiers(
-            kl_coef=kl_coef,
-            entropy_coef=entropy_coef,
-            depth_decay=None if decay is None else DepthDecay(decay.first, decay.per_level),
-            role_kl_coef=dict(self.role_kl_coef),
-            role_entropy_coef=dict(self.role_entropy_coef),
-            frozen_roles=frozenset(self.frozen_roles),
-        )
-
-    def reward_normalizer(self) -> DepthRewardNorm | None:
-        """A fresh per-depth reward normaliser; None when off."""
-        if self.reward_norm_momentum is None:
-            return None
-        return DepthRewardNorm(self.reward_norm_momentum)
-
 
 class PPOConfig(_Section):
     advantage: Literal["tree", "chain"] = Field(
@@ -545,11 +529,6 @@ class PPOConfig(_Section):
         "copies of those weights. False: torch's own path.",
     )
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
-
-    def coefficients(self) -> PPOCoefficients:
-        return PPOCoefficients(
-            self.clip_ratio, self.dual_clip, self.kl_coef, self.entropy_coef, self.kl_clamp
-        )
 
 
 class TrainConfig(_Section):
@@ -770,148 +749,3 @@ class JobConfig(_Section):
             update={"cache_dir": absolute(self.warmstart.cache_dir)}
         )
         return self.model_copy(update={"train": train, "warmstart": warmstart})
-
-
-def preset_names() -> list[str]:
-    files = resources.files("treegrpo_ray").joinpath("presets").iterdir()
-    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
-
-
-def _read_yaml(name_or_path: str) -> dict[str, Any]:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise UserInputError(f"config file {path} does not exist; pass a preset name or a path")
-        text = path.read_text()
-    elif name_or_path in preset_names():
-        text = resources.files("treegrpo_ray").joinpath(f"presets/{name_or_path}.yaml").read_text()
-    else:
-        raise UserInputError(
-            f"unknown preset '{name_or_path}'; available presets: {', '.join(preset_names())} "
-            "(or pass a path to a .yaml file)"
-        )
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        raise UserInputError(f"malformed YAML in {name_or_path}: {err}".replace("\n", " ")) from err
-    if not isinstance(data, dict):
-        raise UserInputError(f"{name_or_path}: the top level must be a mapping of sections")
-    if "extends" in data:  # a preset name or path whose fields this file overrides
-        return _merged(_read_yaml(str(data.pop("extends"))), data)
-    return data
-
-
-def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``changes`` applied: sections merged key by key, other values replaced."""
-    out = dict(base)
-    for key, value in changes.items():
-        both_sections = isinstance(value, dict) and isinstance(base.get(key), dict)
-        out[key] = _merged(base[key], value) if both_sections else value
-    return out
-
-
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Set ``a.b.c=value`` in nested ``data``; the value is parsed as YAML (``4``, ``null``...)."""
-    key, sep, raw = override.partition("=")
-    if not sep or not key:
-        raise UserInputError(f"override '{override}' is not KEY=VALUE, e.g. --set tree.m=4")
-    *parents, leaf = key.strip().split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise UserInputError(f"override '{override}': '{part}' is not a section")
-    try:
-        node[leaf] = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise UserInputError(f"override '{override}': value is not valid YAML") from err
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    field = ".".join(str(p) for p in error["loc"]) or "config"
-    if error["type"] == "extra_forbidden":
-        return f"unknown field '{field}'; check the spelling against the preset"
-    return f"{field}: {error['msg']} (got {error.get('input')!r})"
-
-
-def load_config(name_or_path: str, overrides: list[str] | None = None) -> JobConfig:
-    """Load a preset name or YAML path, apply ``a.b=value`` overrides and validate."""
-    return _validate(_read_yaml(name_or_path), overrides, name_or_path)
-
-
-def _validate(data: dict[str, Any], overrides: list[str] | None, source: str) -> JobConfig:
-    for override in overrides or []:
-        apply_override(data, override)
-    try:
-        return JobConfig.model_validate(data)
-    except ValidationError as err:
-        problems = "; ".join(_describe(e) for e in err.errors())
-        raise UserInputError(f"invalid config {source}: {problems}") from err
-
-
-RUN_CONFIG_FILE = "config.yaml"
-# Fields a resumed run may change: where it runs and how long, not what it learns from.
-RESUMABLE_CHANGES = (
-    "name",
-    "train.output_dir",
-    "train.steps",
-    "train.eval_every",
-    "train.eval_questions",
-    "train.checkpoint_every",
-    "train.save_trees_every",
-    "train.queue_timeout_s",
-    "ppo.lr",
-    "ppo.grad_clip",
-    "ppo.micro_batch_tokens",
-    "cluster.*",
-    "engine.*",
-)
-
-
-def save_run_config(cfg: JobConfig) -> None:
-    """Write the run's resolved config to ``RUN_DIR/config.yaml`` (what ``--resume`` reads)."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    (cfg.run_dir / RUN_CONFIG_FILE).write_text(text)
-
-
-def resume_config(
-    run_dir: Path, name_or_path: str | None, overrides: list[str] | None = None
-) -> JobConfig:
-    """The config of a resumed run: the one saved in ``run_dir`` (or ``name_or_path``, which must
-    agree with it) plus ``overrides``, writing to ``run_dir``.
-
-    Only the fields in ``RESUMABLE_CHANGES`` may differ from the saved config; any other
-    difference is a ``UserInputError`` that names the fields."""
-    saved_file = run_dir / RUN_CONFIG_FILE
-    if not saved_file.is_file():
-        raise UserInputError(
-            f"cannot resume {run_dir}: it has no {RUN_CONFIG_FILE}; pass the directory of a run "
-            "started by `treegrpo train` (OUTPUT_DIR/NAME)"
-        )
-    saved = _read_yaml(str(saved_file))
-    data = _read_yaml(name_or_path) if name_or_path else copy.deepcopy(saved)
-    place = [f"name={run_dir.name}", f"train.output_dir={run_dir.resolve().parent}"]
-    cfg = _validate(data, list(overrides or []) + place, name_or_path or str(saved_file))
-    cfg = cfg.with_absolute_paths()
-    previous = _validate(saved, place, str(saved_file)).with_absolute_paths()
-    changed = _changed_fields(previous.model_dump(mode="json"), cfg.model_dump(mode="json"))
-    frozen = [f for f in changed if not any(fnmatch(f, p) for p in RESUMABLE_CHANGES)]
-    if frozen:
-        raise UserInputError(
-            f"cannot resume {run_dir} with a different {', '.join(frozen)} than it was started "
-            f"with (see {saved_file}); a resumed run may change only "
-            + ", ".join(RESUMABLE_CHANGES)
-        )
-    return cfg
-
-
-def _changed_fields(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted names of the leaves that differ between two nested dicts of the same schema."""
-    changed = []
-    for key, value in new.items():
-        if isinstance(value, dict) and isinstance(old.get(key), dict):
-            changed += _changed_fields(old[key], value, f"{prefix}{key}.")
-        elif old.get(key) != value:
-            changed.append(f"{prefix}{key}")
-    return changed
