@@ -94,17 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark suites").add_subparsers(
         dest="suite", required=True
     )
-    from treegrpo_ray.cluster.budget_suite import add_arguments
+    from treegrpo_ray.experiments.budget_suite import add_arguments
 
     add_arguments(bench.add_parser("budget", help="chain GRPO vs Tree-GRPO at matched cost"))
-    from treegrpo_ray.cluster import peer_bench
+    from treegrpo_ray.experiments import peer_bench
 
     peer_bench.add_arguments(
         bench.add_parser(
             "peer", help="our engine and learner beside TRL's GRPOTrainer (extra: peer)"
         )
     )
-    from treegrpo_ray.cluster import profile_bench
+    from treegrpo_ray.experiments import profile_bench
 
     profile_bench.add_arguments(
         bench.add_parser("profile", help="branch-value profile: where outcomes are decided")
@@ -120,14 +120,14 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "bench":
         if args.suite == "peer":
-            from treegrpo_ray.cluster.peer_bench import run_from_args as run_peer
+            from treegrpo_ray.experiments.peer_bench import run_from_args as run_peer
 
             return run_peer(args)
         if args.suite == "profile":
-            from treegrpo_ray.cluster.profile_bench import run_from_args as run_profile
+            from treegrpo_ray.experiments.profile_bench import run_from_args as run_profile
 
             return run_profile(args)
-        from treegrpo_ray.cluster.budget_suite import run_from_args
+        from treegrpo_ray.experiments.budget_suite import run_from_args
 
         return run_from_args(args)
     if args.command == "model":

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from treegrpo_ray.budget_stats import interpolate
-from treegrpo_ray.cluster.budget_suite import QUICK, add_arguments, jobs, run_suite
+from treegrpo_ray.experiments.budget_suite import QUICK, add_arguments, jobs, run_suite
 
 pytestmark = pytest.mark.slow  # in-process runs of the warm-started policy
 

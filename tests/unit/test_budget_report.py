@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from treegrpo_ray.cluster.budget_report import aggregate, markdown
+from treegrpo_ray.experiments.budget_report import aggregate, markdown
 
 SHARES = {
     "tree-1x2x1": [0.40, 0.45, 0.50],

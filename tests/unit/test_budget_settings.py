@@ -3,7 +3,7 @@ settings must show up here, not slip into a rerun."""
 
 from collections import Counter
 
-from treegrpo_ray.cluster.budget_suite import SMOLLM2, SUITES, eval_steps, jobs
+from treegrpo_ray.experiments.budget_suite import SMOLLM2, SUITES, eval_steps, jobs
 
 PRESET = "smollm2-135m-search-qa"
 

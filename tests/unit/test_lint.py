@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ["ruff", "format", "--check", "."],
         # a minute or two without its cache (a fresh clone): the slow tier
         pytest.param(
-            ["mypy", "treegrpo_ray", "actors", "learners", "cluster"], marks=pytest.mark.slow
+            ["mypy", "treegrpo_ray", "actors", "learners", "cluster", "experiments"],
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["ruff-check", "ruff-format", "mypy"],

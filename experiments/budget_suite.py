@@ -371,7 +371,7 @@ def run_suite(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every missing job (``workers`` processes), then aggregate and write the report."""
-    from treegrpo_ray.cluster.budget_report import write_report
+    from treegrpo_ray.experiments.budget_report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -131,7 +131,7 @@ def compare(a_runs: dict[int, dict], b_runs: dict[int, dict]) -> dict[str, Any]:
 def aggregate(records: list[dict], settings: dict[str, Any]) -> dict[str, Any]:
     """Per start: arm summaries, the tree-vs-chain and the selection comparisons; the headline and
     targets."""
-    from treegrpo_ray.cluster.budget_suite import (
+    from treegrpo_ray.experiments.budget_suite import (
         HEADLINE,
         PAIRS,
         SELECTION_PAIRS,
