@@ -2,12 +2,12 @@
 
     python benchmarks/budget_efficiency.py [--quick] [--arms ...] [--out benchmarks/results/budget]
 
-The suite itself is ``treegrpo_ray.cluster.budget_suite``; results live in ``benchmarks/results/``.
+The suite itself is ``treegrpo_ray.experiments.budget_suite``; results live in ``benchmarks/results/``.
 """
 
 import sys
 
-from treegrpo_ray.cluster.budget_suite import main
+from treegrpo_ray.experiments.budget_suite import main
 
 if __name__ == "__main__":
     sys.exit(main())
