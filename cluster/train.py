@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -86,6 +87,19 @@ def _connect(cfg: JobConfig) -> bool:
         log_to_driver=False,
     )
     return True
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, a scheduler, ``ray job stop``) stops the run as Ctrl-C does: ``train``'s
+    cleanup shuts the controller and the Ray this run started down, and the checkpoints stay.
+    Without it Ray's own handler, installed by ``ray.init``, kills the driver on the spot and the
+    session's workers outlive it. Set after ``ray.init`` for that reason; main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def check_resources(cfg: JobConfig) -> None:
@@ -257,6 +271,7 @@ def train(
     model_path = resolve_model_path(cfg, progress)
     check_memory(cfg, model_path)
     started_ray = _connect(cfg)
+    _stop_on_sigterm()
     try:
         check_resources(cfg)
     except UserInputError:

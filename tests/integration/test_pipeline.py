@@ -242,6 +242,36 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     shutil.rmtree(other_ray, ignore_errors=True)
 
 
+def test_sigterm_stops_a_local_run_as_ctrl_c_does(tiny_cfg, tiny_policy, tmp_path, follow_records):
+    """``kill`` (SIGTERM) on a training that started its own Ray: the run says what it kept and
+    exits through its cleanup (not killed by Ray's handler, which left the session's workers
+    running), and no process of its Ray instance is left."""
+    own_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
+    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop"]
+    command += ["--quiet", *(a for s in _long_run(tiny_cfg, tmp_path) for a in ("--set", s))]
+    run = subprocess.Popen(
+        command,
+        env={**os.environ, "RAY_TMPDIR": str(own_ray)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        metrics = tmp_path / "tiny-multihop" / "metrics.jsonl"
+        first = next(follow_records(metrics, writer_pid=run.pid), None)
+        assert first is not None, run.stderr.read()  # it exited before its first step
+        ray_processes = _processes_naming(own_ray)
+        assert ray_processes  # the check below looks where its Ray runs
+    finally:
+        run.terminate()  # SIGTERM
+        _, stderr = run.communicate()  # pytest's timeout bounds the wait
+    assert run.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("treegrpo: interrupted; "), stderr[-3000:]
+    _, left = psutil.wait_procs(ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
+    assert not left, [p.info["cmdline"] for p in left]
+    shutil.rmtree(own_ray, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _sigint_not_ignored() -> Iterator[None]:
     """Children started inside get SIGINT's default action. A shell's background job (``cmd &``)
