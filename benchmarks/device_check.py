@@ -49,7 +49,7 @@ from benchmarks.learner_packing import (
 )
 from treegrpo_ray.advantage import tree_grpo_advantages
 from treegrpo_ray.config import TinyModelConfig
-from treegrpo_ray.learners.learner import packed_logprobs
+from treegrpo_ray.learners.forward import packed_logprobs
 from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees
 from treegrpo_ray.tree_attention import TREE_FLEX, tree_flex_attention

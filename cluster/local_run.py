@@ -1,8 +1,10 @@
 """The training loop of ``treegrpo train`` without Ray, for benchmarks that run many short trainings.
 
 One ``RolloutWorker`` and one ``Learner`` in this process run the schedule of a synchronous
-one-worker job (``max_policy_lag`` 0): the same leases and seeds, the same updates, the same
-held-out evaluations, so a step's record matches the Ray job's (tests check it). What it leaves
+one-worker job (``max_policy_lag`` 0) through the job's own step (``learners/loop.py``'s
+``learner_step``, this run being its tree source and policy sink): the same leases and seeds,
+the same updates, the same held-out evaluations, so a step's record matches the Ray job's (tests
+check it). What it leaves
 out is what a job adds around that loop: Ray start-up (~35 s a run on 2 cores), the queue,
 checkpoints, the run directory.
 """
@@ -20,9 +22,10 @@ import torch
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import eval_seed, load_task, step_leases, training_order
 from treegrpo_ray.config import JobConfig
-from treegrpo_ray.learners.learner import Learner, pull_batch
-from treegrpo_ray.metrics import timed
-from treegrpo_ray.saved_trees import should_save
+from treegrpo_ray.learners.intake import pull_batch
+from treegrpo_ray.learners.learner import Learner
+from treegrpo_ray.learners.loop import learner_step
+from treegrpo_ray.tree import Tree
 
 
 class LocalRun:
@@ -54,26 +57,29 @@ class LocalRun:
         """Expand this step's leases, update the policy once, send it to the worker; returns the
         step's metrics (``tree/``, ``budget/``, ``rollout/``, ``learner/``, ``timing/``)."""
         started = time.perf_counter()
+        metrics = learner_step(self.learner, self, self, self.cfg.train, self.save_trees_to)
+        saving = metrics.get("timing/save_trees_s", 0.0)
+        self.train_seconds += time.perf_counter() - started - saving
+        return metrics
+
+    def next_batch(self, version: int) -> tuple[list[Tree], dict[str, float]]:
+        """The ``TreeSource`` of this run: its worker expands the step's leases in turn."""
         train = self.cfg.train
         batches: queue.Queue[Any] = queue.Queue()
         for lease in step_leases(
             self.train_samples,
             self.order,
-            self.learner.version,
+            version,
             train.prompts_per_step,
             self.cfg.lease_size(),
             train.seed,
         ):
             batches.put(self.worker.expand(lease))
-        trees, metrics = pull_batch(batches, train.prompts_per_step, self.learner.version, 0)
-        with timed(metrics, "update"):
-            metrics.update(self.learner.update(trees))
-        self.worker.load_weights(self.learner.version, self.learner.engine_state(self.cfg.engine))
-        self.train_seconds += time.perf_counter() - started
-        every, version = train.save_trees_every, self.learner.version
-        if self.save_trees_to is not None and should_save(every, version, train.steps):
-            self.learner.save_trees(self.save_trees_to, trees, metrics)
-        return metrics
+        return pull_batch(batches, train.prompts_per_step, version, 0)
+
+    def publish(self, learner: Learner, trees: list[Tree], metrics: dict[str, float]) -> None:
+        """The ``PolicySink`` of this run: the new weights go to its worker."""
+        self.worker.load_weights(learner.version, learner.engine_state(self.cfg.engine))
 
     def evaluate(self, questions: int, temperature: float, repeat: int = 0) -> float:
         """Held-out success rate over the first ``questions`` questions, one chain each;

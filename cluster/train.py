@@ -40,7 +40,7 @@ from treegrpo_ray.learners.checkpoint import (
     point_latest,
     resume_hint,
 )
-from treegrpo_ray.learners.learner import train_loop_per_worker
+from treegrpo_ray.learners.loop import train_loop_per_worker
 from treegrpo_ray.learners.policies import resolve_model_path
 
 FIT_THREAD = "treegrpo-fit"  # the driver thread that runs the learners' TorchTrainer.fit

@@ -1,50 +1,37 @@
-"""The learning side: a plain ``Learner`` (PPO update on trees) and its Ray Train loop.
-
-The ``Learner`` runs in-process in unit tests; ``train_loop_per_worker`` runs it inside a Ray Train
-``TorchTrainer`` worker, pulling tree batches from the queue and publishing each new policy version
-through the controller.
-"""
+"""The plain ``Learner``: the PPO update on trees (packed, advantages routed to nodes), its
+optimizer, reference policy, checkpoints and the weights it ships to the engines. It runs
+in-process (tests, ``LocalRun``) and inside a Ray Train worker (``learners/loop.py``)."""
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 import random
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree_grpo_advantages
-from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import EngineConfig, JobConfig, LoraSettings, PPOConfig
 from treegrpo_ray.engine import LoraPayload
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 from treegrpo_ray.learners.checkpoint import (
-    CheckpointNotWritten,
     LearnerState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
 )
 from treegrpo_ray.learners.distributed import (
     all_agree,
-    broadcast_from_first,
     deal_rows,
     sum_gradients,
     sum_stats,
     world,
 )
+from treegrpo_ray.learners.forward import Policy, attention_implementation, packed_logprobs
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_weights
 from treegrpo_ray.metrics import (
-    budget_metrics,
     peak_rss_bytes,
-    prefix_cache_metrics,
     timed,
     tree_metrics,
 )
@@ -56,104 +43,13 @@ from treegrpo_ray.saved_trees import (
     NodeAdvantage,
     node_advantages,
     saved_trees_table,
-    should_save,
     write_saved_trees,
 )
 from treegrpo_ray.stops import Decode
-from treegrpo_ray.tree import Tree, batch_info, trees_from_arrow
-from treegrpo_ray.tree_attention import TREE_FLEX
+from treegrpo_ray.tree import Tree
 
 if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
-
-# A policy: a transformers PreTrainedModel, or a peft PeftModel around one. Both forward
-# attributes at run time (config, get_base_model, disable_adapter, peft_config...) that their
-# stubs do not show through torch.nn.Module, so code that reads them takes it untyped.
-Policy = Any
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each next token and the entropy of each next-token distribution, on a
-    path-expanded batch (the reference layout, ``packing.expand_paths``).
-
-    input_ids, attention_mask: (B, T). Returns ``(logprobs, entropy)``, both (B, T-1), under
-    ``softmax(logits / temperature)`` (the distribution the rollout sampled from).
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    logprobs = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logprobs, entropy
-
-
-def packed_logprobs(
-    model: torch.nn.Module,
-    batch: PackedBatch,
-    row: int,
-    temperature: float = 1.0,
-    mask_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each action token of packed ``row`` given its own path, and the entropy of the
-    distribution it was drawn from, in one forward of the row's real tokens with the tree mask.
-
-    Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
-    those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,) float32 on
-    the batch's device, 0 off action tokens, under ``softmax(logits / temperature)``. The model
-    must use ``sdpa``, ``eager`` or ``tree_flex`` (``treegrpo_ray.tree_attention``; see ``treegrpo_ray.packing``); a dense
-    tree mask is built in ``mask_dtype`` (default: the model's), the dtype its attention computes
-    in.
-    """
-    n = batch.row_length(row)
-    input_ids = batch.input_ids[row, :n]
-    (pos,) = batch.loss_mask[row].nonzero(as_tuple=True)
-    # logits only where an action token is predicted (a branch point predicts several)
-    predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
-    logits = model(
-        input_ids=input_ids[None],
-        attention_mask=_tree_mask_for(model, batch, row, mask_dtype),
-        position_ids=batch.position_ids[row, None, :n],
-        use_cache=False,
-        logits_to_keep=predictors,
-    ).logits[0]
-    log_probs = torch.log_softmax(logits[which].float() / temperature, -1)
-    action_logprobs = log_probs.gather(-1, input_ids[pos, None]).squeeze(-1)
-    action_entropy = -(log_probs.exp() * log_probs).sum(-1)
-    width = batch.input_ids.shape[1]
-    logprobs = torch.zeros(width, device=pos.device).index_put((pos,), action_logprobs)
-    entropy = torch.zeros(width, device=pos.device).index_put((pos,), action_entropy)
-    return logprobs, entropy
-
-
-def _tree_mask_for(
-    model: Policy, batch: PackedBatch, row: int, dtype: torch.dtype | None
-) -> torch.Tensor | BlockMask:
-    """The tree mask of packed ``row`` in the form ``model``'s attention takes."""
-    attention = model.config._attn_implementation
-    if attention == TREE_FLEX:
-        return batch.flex_block_mask(row)
-    if attention not in ("sdpa", "eager"):
-        raise ValueError(
-            f"packed training needs sdpa, eager or {TREE_FLEX} attention (a tree mask), the "
-            f"model uses {attention}; set ppo.attention"
-        )
-    return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
-
-
-def attention_implementation(setting: str, device: torch.device) -> str:
-    """transformers' ``attn_implementation`` for ``ppo.attention`` on ``device``."""
-    if setting == "flex" and device.type != "cuda":
-        raise UserInputError(
-            f"ppo.attention=flex needs a CUDA learner (this one is on {device.type}): PyTorch's "
-            "flex_attention has no backward pass there; set ppo.attention to auto or sdpa"
-        )
-    if setting in ("flex", "auto") and device.type == "cuda":
-        return TREE_FLEX
-    return "sdpa"
+    pass
 
 
 @torch.no_grad()
@@ -598,156 +494,3 @@ class Learner:
         state = {"policy_version": self.version, **(extra or {})}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
         return path
-
-
-def pull_batch(
-    queue, groups_needed: int, version: int, max_lag: int, timeout_s: float | None = None
-) -> tuple[list[Tree], dict]:
-    """Take tree batches from the queue until ``groups_needed`` fresh prompt groups are in hand.
-    A wait for one batch longer than ``timeout_s`` stops training (``TrainingStopped``).
-
-    Trees generated by a policy older than ``version - max_lag`` are dropped and counted. The
-    trees come back sorted by (group, tree), whatever order the workers finished in.
-    Returns the trees and ``queue/...``, ``tree/...``, ``rollout/...`` and ``budget/...`` metrics.
-    """
-    trees: list[Tree] = []
-    groups: set[int] = set()
-    budget = Budget()
-    metrics = {
-        "queue/wait_s": 0.0,
-        "tree/dropped_stale_groups": 0.0,
-        "rollout/seconds": 0.0,
-        "rollout/planner_seconds": 0.0,
-    }
-    staleness = 0
-    while len(groups) < groups_needed:
-        start = time.perf_counter()
-        try:
-            table = queue.get(timeout=timeout_s)
-        except Empty as empty:  # queue.Empty, and Ray's Queue raises a subclass
-            raise TrainingStopped(
-                f"no trees arrived for {timeout_s:.0f} s (update {version + 1} had "
-                f"{len(groups)} of {groups_needed} prompt groups): the rollouts stalled; "
-                "`treegrpo logs` shows the controller's and workers' logs "
-                "(train.queue_timeout_s sets the wait)"
-            ) from empty
-        metrics["queue/wait_s"] += time.perf_counter() - start
-        info = batch_info(table)
-        if info.policy_version < version - max_lag:
-            metrics["tree/dropped_stale_groups"] += len(info.budgets)
-            continue
-        batch = trees_from_arrow(table)
-        trees += batch
-        staleness += (version - info.policy_version) * len(batch)
-        groups.update(t.group_id for t in batch)
-        for group_budget in info.budgets.values():
-            budget.add(group_budget)
-        metrics["rollout/seconds"] += info.rollout_seconds
-        metrics["rollout/planner_seconds"] += info.planner_seconds
-    metrics["tree/staleness"] = staleness / max(len(trees), 1)
-    metrics.update(budget_metrics(budget, len(groups)))
-    metrics.update(prefix_cache_metrics(budget))
-    metrics["rollout/tokens_per_s"] = budget.generated_tokens / max(
-        metrics["rollout/seconds"], 1e-9
-    )
-    return sorted(trees, key=lambda t: (t.group_id, t.tree_id)), metrics
-
-
-def _save_last_good(learner: Learner, cfg: Any, err: Exception) -> str:
-    """Save the policy and the training state the run stopped with; returns the stop reason."""
-    kept = learner.save(cfg.run_dir / "checkpoint-last-good", {"step": learner.version})
-    save_checkpoint(learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version})
-    return (
-        f"{err}; the last good policy is in {kept}; once fixed, continue with "
-        f"`treegrpo train --resume {cfg.run_dir} --set KEY=VALUE`"
-    )
-
-
-def train_loop_per_worker(config: dict) -> None:
-    """Ray Train worker: pull trees, update, publish each new version through the controller.
-
-    With several workers, rank 0 pulls each batch and broadcasts it; every rank updates on its
-    share of the rows (``treegrpo_ray.learners.distributed``); rank 0 publishes and saves (the
-    checkpoints, and the trees every ``train.save_trees_every`` updates). When the run
-    directory holds a training-state checkpoint (a resumed run, or Ray Train restarting the group
-    after a worker died), every rank restores it and rank 0 hands the restored policy to the
-    controller, which rewinds the job to that step, before the first pull.
-    """
-    import ray
-    import ray.train
-    import ray.train.torch
-
-    cfg = config["cfg"]
-    controller = config["controller"]
-    torch.set_num_threads(cfg.cluster.torch_threads)
-    queue = ray.get(controller.get_queue.remote())
-    # this worker's GPU when cluster.learner_gpus > 0 (Ray Train made it the current device), else
-    # the CPU; simulated GPUs are accounted by Ray only
-    simulated = cfg.cluster.simulated_gpus
-    device = torch.device("cpu") if simulated else ray.train.torch.get_device()
-    learner = Learner.from_config(cfg, config["model_path"], device)
-    first = learner.rank == 0
-    here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-    restarted = ray.get(controller.register_learner.remote(learner.rank, here))
-    latest = latest_checkpoint(cfg.run_dir / "checkpoints")
-    if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint
-        learner.load_state_dict(load_checkpoint(latest))
-    if first and (latest is not None or restarted):
-        weights = ray.put(learner.engine_state(cfg.worker_engine()))
-        ray.get(controller.restore.remote(learner.version, [weights]))
-    cycle_start, publish_s = time.perf_counter(), 0.0
-    while learner.version < cfg.train.steps:
-        batch: Any = None
-        if first:
-            try:
-                batch = pull_batch(
-                    queue,
-                    cfg.train.prompts_per_step,
-                    learner.version,
-                    cfg.train.max_policy_lag,
-                    cfg.train.queue_timeout_s,
-                )
-            except TrainingStopped as err:
-                batch = err
-        if learner.world_size > 1:
-            batch = broadcast_from_first(batch)
-        if isinstance(batch, TrainingStopped):  # every rank stops; rank 0 keeps what it has
-            if first:
-                ray.get(controller.abort.remote(_save_last_good(learner, cfg, batch)))
-            return
-        trees, metrics = batch
-        with timed(metrics, "update"):
-            try:
-                metrics.update(learner.update(trees))
-            except (TrainingStopped, UserInputError) as err:  # raised alike on every rank
-                if first:
-                    ray.get(controller.abort.remote(_save_last_good(learner, cfg, err)))
-                return
-        if first:
-            if should_save(cfg.train.save_trees_every, learner.version, cfg.train.steps):
-                with timed(metrics, "save_trees"):
-                    learner.save_trees(cfg.run_dir, trees, metrics)
-            # idle: waiting for trees, and for the previous version's publish call (this cycle
-            # runs from that call's start to this one's)
-            metrics["timing/publish_wait_s"] = publish_s
-            idle = metrics["queue/wait_s"] + publish_s
-            metrics["learner/idle_frac"] = idle / (time.perf_counter() - cycle_start)
-            cycle_start = time.perf_counter()
-            weights = ray.put(learner.engine_state(cfg.worker_engine()))
-            groups = sorted({t.group_id for t in trees})
-            ray.get(controller.publish.remote(learner.version, [weights], metrics, groups))
-            publish_s = time.perf_counter() - cycle_start
-            every = cfg.train.checkpoint_every
-            if every and learner.version % every == 0:
-                try:
-                    save_checkpoint(
-                        learner.state_dict(), cfg.run_dir / "checkpoints", {"step": learner.version}
-                    )
-                except CheckpointNotWritten as err:
-                    ray.get(controller.abort.remote(str(err)))
-                    return
-    report: dict[str, object] = {"policy_version": learner.version}
-    if first:
-        final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})
-        report["checkpoint_dir"] = str(final)
-    ray.train.report(report)  # every worker reports, the same number of times

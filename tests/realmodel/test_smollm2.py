@@ -20,7 +20,7 @@ from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.config import TreeConfig
 from treegrpo_ray.envs.search_qa import SearchQATask, parse_action
-from treegrpo_ray.learners.learner import packed_logprobs
+from treegrpo_ray.learners.forward import packed_logprobs
 from treegrpo_ray.learners.warmstart import LOG_NAME
 from treegrpo_ray.modeling import (
     PromptFormat,

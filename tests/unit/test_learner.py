@@ -10,7 +10,8 @@ from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.errors import TrainingStopped
-from treegrpo_ray.learners.learner import Learner, token_logprobs
+from treegrpo_ray.learners.forward import token_logprobs
+from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.packing import pack_trees
 from treegrpo_ray.tree import BatchInfo, trees_from_arrow
 
@@ -129,7 +130,7 @@ def _table(version, group_ids):
 
 
 def test_pull_batch_refuses_trees_older_than_the_lag():
-    from treegrpo_ray.learners.learner import pull_batch
+    from treegrpo_ray.learners.intake import pull_batch
 
     queue = ListQueue([_table(3, [0, 1]), _table(4, [2, 3]), _table(5, [4, 5])])
     trees, metrics = pull_batch(queue, groups_needed=4, version=5, max_lag=1)
@@ -146,7 +147,7 @@ def test_pull_batch_refuses_trees_older_than_the_lag():
 
 
 def test_pull_batch_stops_training_when_no_trees_arrive_in_time():
-    from treegrpo_ray.learners.learner import pull_batch
+    from treegrpo_ray.learners.intake import pull_batch
 
     with pytest.raises(TrainingStopped, match=r"no trees arrived for 5 s \(update 6 had 2 of 4"):
         pull_batch(
@@ -177,7 +178,7 @@ def test_lora_trains_only_the_adapter_and_the_reference_is_the_base_model(
 ):
     from treegrpo_ray.config import LoraSettings
     from treegrpo_ray.engine import LoraPayload
-    from treegrpo_ray.learners.learner import packed_logprobs
+    from treegrpo_ray.learners.forward import packed_logprobs
     from treegrpo_ray.modeling import load_policy
     from treegrpo_ray.packing import pack_trees
 
@@ -211,7 +212,7 @@ def test_merged_lora_weights_are_the_policy_the_adapter_gives(tiny_cfg, untraine
     does; the learner's model (and so its reference) is left as it was."""
     from treegrpo_ray.config import LoraSettings
     from treegrpo_ray.engine import LoraPayload
-    from treegrpo_ray.learners.learner import packed_logprobs
+    from treegrpo_ray.learners.forward import packed_logprobs
     from treegrpo_ray.modeling import load_policy
 
     learner = Learner(

@@ -8,7 +8,7 @@ import torch
 
 from treegrpo_ray.advantage import route_to_nodes
 from treegrpo_ray.config import PPOConfig, TinyModelConfig
-from treegrpo_ray.learners.learner import packed_logprobs, token_logprobs
+from treegrpo_ray.learners.forward import packed_logprobs, token_logprobs
 from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
 from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees

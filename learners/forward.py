@@ -1,0 +1,105 @@
+"""The learner's forward maths: per-token log-probs of a policy on path rows or on packed trees
+(each token sees its ancestors only), and the attention kernel a device takes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treegrpo_ray.errors import UserInputError
+from treegrpo_ray.packing import PackedBatch
+from treegrpo_ray.tree_attention import TREE_FLEX
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+
+# A policy: a transformers PreTrainedModel, or a peft PeftModel around one. Both forward
+# attributes at run time (config, get_base_model, disable_adapter, peft_config...) that their
+# stubs do not show through torch.nn.Module, so code that reads them takes it untyped.
+Policy = Any
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each next token and the entropy of each next-token distribution, on a
+    path-expanded batch (the reference layout, ``packing.expand_paths``).
+
+    input_ids, attention_mask: (B, T). Returns ``(logprobs, entropy)``, both (B, T-1), under
+    ``softmax(logits / temperature)`` (the distribution the rollout sampled from).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    logprobs = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprobs, entropy
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    row: int,
+    temperature: float = 1.0,
+    mask_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each action token of packed ``row`` given its own path, and the entropy of the
+    distribution it was drawn from, in one forward of the row's real tokens with the tree mask.
+
+    Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
+    those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,) float32 on
+    the batch's device, 0 off action tokens, under ``softmax(logits / temperature)``. The model
+    must use ``sdpa``, ``eager`` or ``tree_flex`` (``treegrpo_ray.tree_attention``; see ``treegrpo_ray.packing``); a dense
+    tree mask is built in ``mask_dtype`` (default: the model's), the dtype its attention computes
+    in.
+    """
+    n = batch.row_length(row)
+    input_ids = batch.input_ids[row, :n]
+    (pos,) = batch.loss_mask[row].nonzero(as_tuple=True)
+    # logits only where an action token is predicted (a branch point predicts several)
+    predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
+    logits = model(
+        input_ids=input_ids[None],
+        attention_mask=_tree_mask_for(model, batch, row, mask_dtype),
+        position_ids=batch.position_ids[row, None, :n],
+        use_cache=False,
+        logits_to_keep=predictors,
+    ).logits[0]
+    log_probs = torch.log_softmax(logits[which].float() / temperature, -1)
+    action_logprobs = log_probs.gather(-1, input_ids[pos, None]).squeeze(-1)
+    action_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    width = batch.input_ids.shape[1]
+    logprobs = torch.zeros(width, device=pos.device).index_put((pos,), action_logprobs)
+    entropy = torch.zeros(width, device=pos.device).index_put((pos,), action_entropy)
+    return logprobs, entropy
+
+
+def _tree_mask_for(
+    model: Policy, batch: PackedBatch, row: int, dtype: torch.dtype | None
+) -> torch.Tensor | BlockMask:
+    """The tree mask of packed ``row`` in the form ``model``'s attention takes."""
+    attention = model.config._attn_implementation
+    if attention == TREE_FLEX:
+        return batch.flex_block_mask(row)
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(
+            f"packed training needs sdpa, eager or {TREE_FLEX} attention (a tree mask), the "
+            f"model uses {attention}; set ppo.attention"
+        )
+    return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
+
+
+def attention_implementation(setting: str, device: torch.device) -> str:
+    """transformers' ``attn_implementation`` for ``ppo.attention`` on ``device``."""
+    if setting == "flex" and device.type != "cuda":
+        raise UserInputError(
+            f"ppo.attention=flex needs a CUDA learner (this one is on {device.type}): PyTorch's "
+            "flex_attention has no backward pass there; set ppo.attention to auto or sdpa"
+        )
+    if setting in ("flex", "auto") and device.type == "cuda":
+        return TREE_FLEX
+    return "sdpa"
