@@ -21,7 +21,8 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
@@ -47,6 +48,28 @@ BUDGET_TOTALS = (
 PLACEMENT_TIMEOUT_S = 120  # a new rollout worker that cannot be placed by then is given up
 POLL_S = 0.2  # the lease loop's longest wait before it looks at stop / pause / scale requests
 PUT_TIMEOUT_S = 60  # the longest wait for room in the queue for a failure message
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a job stopped early: the part that stopped it and its one-line reason (what it
+    kept, how to go on)."""
+
+    source: Literal["learner", "rollout", "evaluation"]
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the driver needs to follow a job, in one call: the step records after the step it
+    has shown, whether a record still waits for its evaluation, and the failure if any."""
+
+    records: list[dict[str, Any]]
+    evaluations_pending: bool
+    failure: Failure | None
 
 
 class Controller:
@@ -83,7 +106,7 @@ class Controller:
         self.started = time.perf_counter()
         self.interval_start = self.started
         self.running = self.paused = self.parked = self.stopped = False
-        self.failure: str | None = None
+        self.failure: Failure | None = None
         self.log = MetricsLog(cfg.run_dir, resume_after=resume_from)
         self.evals_file = cfg.run_dir / EVALS_FILE
         self.evals: dict[str, float] = (
@@ -119,7 +142,7 @@ class Controller:
                         self.lock.notify_all()
                 self._collect(self._ready_receipts())
         except Exception as err:
-            self.abort(f"rollout failed: {err}")
+            self.abort(f"rollout failed: {err}", "rollout")
             with contextlib.suppress(Full):  # no room: the learner is not consuming anyway
                 self.queue.put_error(traceback.format_exc(limit=5), timeout=PUT_TIMEOUT_S)
             raise
@@ -234,7 +257,7 @@ class Controller:
         try:
             measured = self.evaluator.measure(snapshot, measurements)
         except Exception as err:
-            self.abort(str(err))
+            self.abort(str(err), "evaluation")
             return
         with self.lock:
             if self.stopped:
@@ -249,11 +272,6 @@ class Controller:
         """Keep the before / after evaluation for the summary (``evaluations.json``)."""
         self.evals.update({f"{when}/{m.key}": measured[m.key] for m in self._final()})
         self.evals_file.write_text(json.dumps(self.evals, indent=2))
-
-    def evaluations_pending(self) -> bool:
-        """Whether a step's record still waits for its evaluation."""
-        with self.lock:
-            return bool(self.log.pending)
 
     def _pipeline_metrics(self) -> dict[str, float]:
         """Queue length, rollout idle share since the last version, the workers' KV caches."""
@@ -413,13 +431,22 @@ class Controller:
             busy = {item.worker_id for item in self.leases.in_flight.values()}
             return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
 
-    def abort(self, reason: str) -> None:
-        """The learner stopped the run (``reason`` says why and what it saved; a report of Ray's
-        memory monitor in it is cut to one line)."""
-        self.failure = short_failure(reason)
+    def progress(self, after_step: int, timeout: float) -> Progress:
+        """The records of steps after ``after_step`` (waiting up to ``timeout`` s for one), with
+        the evaluations still pending and the failure, read together."""
+        records = self.wait_records(after_step, timeout)
+        with self.lock:
+            return Progress(records, bool(self.log.pending), self.failure)
+
+    def abort(
+        self, reason: str, source: Literal["learner", "rollout", "evaluation"] = "learner"
+    ) -> None:
+        """A part of the job stopped the run (``reason`` says why and what it saved; a report of
+        Ray's memory monitor in it is cut to one line)."""
+        self.failure = Failure(source, short_failure(reason))
         self.stop()
 
-    def failure_reason(self) -> str | None:
+    def failed(self) -> Failure | None:
         return self.failure
 
     def stop(self) -> None:

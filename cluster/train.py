@@ -131,7 +131,8 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
     bar = tqdm(total=steps, desc="treegrpo", unit="step", disable=not show, dynamic_ncols=True)
     seen, em = 0, None
     while fit_thread.is_alive() or seen < steps:
-        records = ray.get(controller.wait_records.remote(seen, timeout=1.0))
+        progress = ray.get(controller.progress.remote(seen, timeout=1.0))
+        records = progress.records
         for record in records:  # after a learner restart, steps already shown are redone
             em = record.get("eval/greedy_em", em)
             postfix = {
@@ -143,14 +144,9 @@ def _show_progress(controller: Any, steps: int, fit_thread: threading.Thread, sh
             bar.set_postfix(postfix)
             bar.update(record["step"] - bar.n)
         seen = max([seen] + [r["step"] for r in records])
-        failure = ray.get(controller.failure_reason.remote())
-        if failure:
-            raise TrainingStopped(failure)
-        if (
-            not fit_thread.is_alive()
-            and not records
-            and not ray.get(controller.evaluations_pending.remote())
-        ):
+        if progress.failure is not None:
+            raise TrainingStopped(progress.failure.reason)
+        if not fit_thread.is_alive() and not records and not progress.evaluations_pending:
             break
     bar.close()
 
@@ -320,9 +316,9 @@ def train(
                     f"learner failed: {line}; {resume_hint(cfg.run_dir)}"
                 ) from None
             raise outcome["error"]
-        failure = ray.get(controller.failure_reason.remote())
-        if failure:
-            raise TrainingStopped(failure)
+        failure = ray.get(controller.failed.remote())
+        if failure is not None:
+            raise TrainingStopped(failure.reason)
         ray.get(controller.stop.remote())
         ray.get(production)
         summary = ray.get(controller.summary.remote())
