@@ -187,9 +187,7 @@ class RolloutWorker:
     def expand_leased(self, lease: Lease) -> tuple[LeaseReceipt, pa.Table]:
         """``expand`` plus a receipt the controller reads without fetching the trees."""
         table = self.expand(lease)
-        info = batch_info(table)
-        groups = tuple(group_id for group_id, _ in lease.groups)
-        receipt = LeaseReceipt(info, groups, self.cache_stats(), peak_rss_bytes())
+        receipt = LeaseReceipt(batch_info(table), self.cache_stats(), peak_rss_bytes())
         return receipt, table
 
     def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:

@@ -31,11 +31,10 @@ class Lease:
 @dataclass(frozen=True)
 class LeaseReceipt:
     """What the controller reads of a finished lease without fetching its trees: the batch's
-    info, the lease's group ids, the worker engine's cache counters (``Engine.cache_stats``) and
-    the worker process's peak resident memory (``metrics.peak_rss_bytes``)."""
+    info, the worker engine's cache counters (``Engine.cache_stats``) and the worker process's
+    peak resident memory (``metrics.peak_rss_bytes``)."""
 
     info: BatchInfo
-    groups: tuple[int, ...]
     cache: dict[str, float]
     peak_rss_bytes: int = 0
 

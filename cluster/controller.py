@@ -37,6 +37,7 @@ from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
 from treegrpo_ray.config import JobConfig
+from treegrpo_ray.learners.loop import LearnerPlace
 
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
 BUDGET_TOTALS = (
@@ -97,7 +98,7 @@ class Controller:
         self.weights: ray.ObjectRef | None = None  # the newest policy, for workers behind it
         self.policy_ready = resume_from is None
         self.consumed: dict[int, list[int]] = {}  # policy version -> groups its update used
-        self.learners: dict[int, dict[str, Any]] = {}
+        self.learners: dict[int, LearnerPlace] = {}
         self.learner_restarts = 0
         self.evaluations_running = 0  # a scaled-down worker is only stopped when this is 0
         self.evaluator = Evaluator(
@@ -196,12 +197,12 @@ class Controller:
 
     # --- policy versions and evaluation -------------------------------------------------------
 
-    def register_learner(self, rank: int, info: dict[str, Any]) -> bool:
-        """A learner worker says where it runs (node id, pid); True when that rank has started
-        before in this job (Ray Train restarted the group: the job must be rewound)."""
+    def register_learner(self, rank: int, place: LearnerPlace) -> bool:
+        """A learner worker says where it runs; True when that rank has started before in this
+        job (Ray Train restarted the group: the job must be rewound)."""
         with self.lock:
             restarted = rank in self.learners
-            self.learners[rank] = info
+            self.learners[rank] = place
             self.learner_restarts += int(restarted and rank == 0)
             return restarted
 
@@ -416,10 +417,10 @@ class Controller:
                 for h in self.pool.handles()
             ]
         )
-        learners = [self.learners[rank]["node_id"] for rank in sorted(self.learners)]
+        learners = [self.learners[rank].node_id for rank in sorted(self.learners)]
         return {"rollout": node_ids, "learner": learners}
 
-    def learner_processes(self) -> dict[int, dict[str, Any]]:
+    def learner_processes(self) -> dict[int, LearnerPlace]:
         """Learner ranks: node id and pid (``register_learner``)."""
         return dict(self.learners)
 

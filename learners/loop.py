@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +31,14 @@ from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.metrics import timed
 from treegrpo_ray.saved_trees import should_save
 from treegrpo_ray.tree import Tree
+
+
+@dataclass(frozen=True)
+class LearnerPlace:
+    """Where a learner rank runs (what it tells the controller's ``register_learner``)."""
+
+    node_id: str
+    pid: int
 
 
 class TreeSource(Protocol):
@@ -156,7 +165,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = torch.device("cpu") if simulated else ray.train.torch.get_device()
     learner = Learner.from_config(cfg, config["model_path"], device)
     first = learner.rank == 0
-    here = {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+    here = LearnerPlace(ray.get_runtime_context().get_node_id(), os.getpid())
     restarted = ray.get(controller.register_learner.remote(learner.rank, here))
     latest = latest_checkpoint(cfg.run_dir / "checkpoints")
     if latest is not None:  # resumed or restarted: continue from the newest complete checkpoint

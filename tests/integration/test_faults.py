@@ -128,7 +128,7 @@ def test_a_killed_learner_is_restarted_from_its_checkpoint(job_cfg):
 
     job.call("wait_records", after_step=1, timeout=600)  # step 2 is published
     learner = job.call("learner_processes")[0]
-    os.kill(learner["pid"], signal.SIGKILL)
+    os.kill(learner.pid, signal.SIGKILL)
 
     summary = job.finish()
     _assert_each_group_once(cfg, summary)
