@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from treegrpo_ray.envs.qa_data import Passage, load_corpus
 from treegrpo_ray.envs.qa_fixture import build_fixture
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.qa_data import Passage, load_corpus
 
 QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "  # e5's training format
 Hit = tuple[int, float]  # (corpus index, score)
@@ -117,7 +117,7 @@ class DenseIndex:
 class Retriever:
     """Top-k passages for many queries at once, over an in-memory corpus.
 
-    ``corpus``: the passages, or the path of a corpus jsonl (``treegrpo_ray.qa_data.load_corpus``),
+    ``corpus``: the passages, or the path of a corpus jsonl (``treegrpo_ray.envs.qa_data.load_corpus``),
     read here so that a Ray actor loads a large corpus itself. ``method``: ``bm25`` or ``dense``
     (needs ``dense_model``). ``index_path``: bm25, a directory caching the index; dense, a prebuilt
     faiss index whose row i is passage i.

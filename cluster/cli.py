@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_from_args(args)
     if args.command == "model":
-        from treegrpo_ray.pretrained import DEFAULT_CACHE, prepare_model
+        from treegrpo_ray.tooling.pretrained import DEFAULT_CACHE, prepare_model
 
         print(prepare_model(args.name, args.cache_dir or DEFAULT_CACHE))
         return 0
@@ -208,7 +208,7 @@ def _checkpoints(run: Path) -> int:
 
 def _trees(args: argparse.Namespace) -> int:
     """``treegrpo trees``: write the inspector page (every saved step) or print one step."""
-    from treegrpo_ray.inspector import load_steps, render_html, render_text
+    from treegrpo_ray.tooling.inspector import load_steps, render_html, render_text
 
     views = load_steps(args.run, args.step, args.prompt, every_step=not args.text)
     if args.text:

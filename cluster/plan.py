@@ -23,7 +23,7 @@ from treegrpo_ray.memory_plan import (
     expected_rollout_worker,
     local_node_plan,
 )
-from treegrpo_ray.pretrained import prepare_model
+from treegrpo_ray.tooling.pretrained import prepare_model
 
 ARCHITECTURES = Path(str(resources.files("treegrpo_ray").joinpath("presets", "architectures")))
 

@@ -13,8 +13,8 @@ from typing import Any
 import ray
 
 from treegrpo_ray.actors.retriever import Retriever, retriever_kwargs
+from treegrpo_ray.envs.qa_data import Passage
 from treegrpo_ray.envs.search_qa import SearchQAConfig
-from treegrpo_ray.qa_data import Passage
 
 
 def retriever_actor_name(job_name: str) -> str:

@@ -9,7 +9,7 @@ from treegrpo_ray.envs.search_qa import check_model_path
 from treegrpo_ray.learners.protocol_warmstart import protocol_warm_start
 from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import check_policy_dir
-from treegrpo_ray.pretrained import prepare_model
+from treegrpo_ray.tooling.pretrained import prepare_model
 
 
 def resolve_model_path(cfg: JobConfig, progress: bool = True) -> str:

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "cluster" / "deploy"
 IMAGE_WORKDIR = "/home/ray/treegrpo-ray"  # the Dockerfile's WORKDIR
-GENERIC_NAMES = ("actors", "learners", "cluster", "experiments", "benchmarks")
+GENERIC_NAMES = ("actors", "learners", "cluster", "experiments", "tooling", "benchmarks")
 
 
 def _image_file_set(dest: Path) -> Path:

@@ -22,10 +22,10 @@ from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import FIT_THREAD, resume_step, train
 from treegrpo_ray.config import resume_config
-from treegrpo_ray.inspector import load_steps
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import load_policy
 from treegrpo_ray.saved_trees import read_saved_trees
+from treegrpo_ray.tooling.inspector import load_steps
 
 pytestmark = pytest.mark.ray
 # A stopped run's Ray processes exit while it shuts Ray down; this bounds a wait for stragglers.

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.config import TreeConfig
+from treegrpo_ray.envs.qa_data import search_r1_prompt
 from treegrpo_ray.envs.search_qa import SearchQATask, parse_action
 from treegrpo_ray.learners.forward import packed_logprobs
 from treegrpo_ray.learners.warmstart import LOG_NAME
@@ -30,10 +31,9 @@ from treegrpo_ray.modeling import (
     load_tokenizer,
 )
 from treegrpo_ray.packing import pack_trees
-from treegrpo_ray.pretrained import prepare_model
-from treegrpo_ray.qa_data import search_r1_prompt
 from treegrpo_ray.rewards import format_aware_em
 from treegrpo_ray.stops import StopStrings
+from treegrpo_ray.tooling.pretrained import prepare_model
 from treegrpo_ray.tree import trees_from_arrow
 
 pytestmark = [

@@ -2,11 +2,11 @@
 
 import pytest
 
-from treegrpo_ray import pretrained
 from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.config import load_config
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.pretrained import PackagedModel, gguf_path, prepare_model
+from treegrpo_ray.tooling import pretrained
+from treegrpo_ray.tooling.pretrained import PackagedModel, gguf_path, prepare_model
 
 
 @pytest.fixture

@@ -10,15 +10,15 @@ import pandas as pd
 import pytest
 
 from treegrpo_ray.envs.base import Sample
-from treegrpo_ray.envs.qa_fixture import build_fixture, write_fixture
-from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.qa_data import (
+from treegrpo_ray.envs.qa_data import (
     Passage,
     load_corpus,
     load_samples,
     search_r1_prompt,
     search_r1_row,
 )
+from treegrpo_ray.envs.qa_fixture import build_fixture, write_fixture
+from treegrpo_ray.errors import UserInputError
 
 
 @pytest.fixture(scope="module")

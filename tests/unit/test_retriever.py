@@ -10,10 +10,10 @@ import types
 import pytest
 
 from treegrpo_ray.actors.retriever import Retriever
+from treegrpo_ray.envs.qa_data import Passage
 from treegrpo_ray.envs.qa_fixture import build_fixture, write_fixture
 from treegrpo_ray.envs.search_qa import SearchQAConfig
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.qa_data import Passage
 
 SMALL = [
     Passage("a", "", "apple banana"),

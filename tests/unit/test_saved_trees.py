@@ -13,7 +13,6 @@ from treegrpo_ray.actors.schedule import Lease
 from treegrpo_ray.advantage import tree_grpo_advantages
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.inspector import render_text, step_view
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.packing import pack_trees
 from treegrpo_ray.saved_trees import (
@@ -24,6 +23,7 @@ from treegrpo_ray.saved_trees import (
     should_save,
     write_saved_trees,
 )
+from treegrpo_ray.tooling.inspector import render_text, step_view
 from treegrpo_ray.tree import NODE_SCHEMA, ROOT, Tree, trees_from_arrow
 
 

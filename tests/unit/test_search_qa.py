@@ -12,6 +12,7 @@ from treegrpo_ray.actors.rollout_worker import make_env
 from treegrpo_ray.config import TaskConfig, load_config
 from treegrpo_ray.envs.base import EpisodeState, Sample
 from treegrpo_ray.envs.multihop import MultihopEnv
+from treegrpo_ray.envs.qa_data import Passage
 from treegrpo_ray.envs.search_qa import (
     INVALID_OBSERVATION,
     SearchQAConfig,
@@ -22,7 +23,6 @@ from treegrpo_ray.envs.search_qa import (
     parse_action,
 )
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.qa_data import Passage
 
 SAMPLE = Sample("q1", "who wrote the novel Xylo?", ("Jane Doe", "J. Doe"))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treegrpo_ray.envs.base import Sample
-from treegrpo_ray.qa_data import Passage, write_corpus, write_flashrag, write_search_r1
+from treegrpo_ray.envs.qa_data import Passage, write_corpus, write_flashrag, write_search_r1
 
 SYLLABLES = (
     "ka", "lo", "mir", "ven", "ta", "ru", "sel", "dor", "an", "bri", "co", "fen", "gal", "hes",

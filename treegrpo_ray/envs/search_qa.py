@@ -27,9 +27,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from treegrpo_ray.envs.base import EpisodeState, Sample, StepResult
+from treegrpo_ray.envs.qa_data import QUESTION_SUFFIXES, Passage, load_samples, search_r1_prompt
 from treegrpo_ray.envs.qa_fixture import MAX_HELDOUT, TEST_QUESTIONS, QAFixture, build_fixture
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.qa_data import QUESTION_SUFFIXES, Passage, load_samples, search_r1_prompt
 from treegrpo_ray.rewards import exact_match, format_aware_em
 
 SearchFn = Callable[[list[str], int], list[list[Passage]]]

@@ -143,7 +143,7 @@ def _json_for_script(data: Any) -> str:
 def render_html(views: list[dict[str, Any]], selected: int, title: str) -> str:
     """The inspector page: ``views`` (one per saved step) embedded as inert JSON, each parsed
     only when shown; ``selected`` is the step shown first."""
-    template = resources.files("treegrpo_ray").joinpath("inspector.html").read_text()
+    template = resources.files("treegrpo_ray.tooling").joinpath("inspector.html").read_text()
     data = "\n".join(
         f'<script type="application/json" class="step-data" data-step="{v["step"]}">'
         f"{_json_for_script(v)}</script>"
