@@ -4,9 +4,8 @@ One ``RolloutWorker`` and one ``Learner`` in this process run the schedule of a 
 one-worker job (``max_policy_lag`` 0) through the job's own step (``learners/loop.py``'s
 ``learner_step``, this run being its tree source and policy sink): the same leases and seeds,
 the same updates, the same held-out evaluations, so a step's record matches the Ray job's (tests
-check it). What it leaves
-out is what a job adds around that loop: Ray start-up (~35 s a run on 2 cores), the queue,
-checkpoints, the run directory.
+check it). What it leaves out is what a job adds around that loop: Ray start-up (~35 s a run on
+2 cores), the queue, checkpoints, the run directory.
 """
 
 from __future__ import annotations
