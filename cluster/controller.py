@@ -1,26 +1,26 @@
 """The job's controller: the driver-facing API of one training job.
 
-It starts the rollout pool and the queue, runs the lease loop (``leasing.LeaseScheduler`` decides
-which lease goes where), tracks and publishes policy versions, starts held-out evaluations
-(``evaluation.Evaluator``), writes the metrics (``metrics_log.MetricsLog``), scales the pool and
-rewinds the job when a learner restarts.
+Every scheduling decision (which lease goes where, which worker gets which policy, retirement,
+rewinds, evaluation workers, failures) is ``job_state.JobState``'s: the controller turns what
+happens on Ray into its events and executes the commands it returns on the rollout pool
+(``rollout_pool.RolloutPool``) and the queue. Besides, it starts held-out evaluations
+(``evaluation.Evaluator``) and writes the metrics (``metrics_log.MetricsLog``).
 
 It runs as one named Ray actor (``treegrpo-controller-NAME`` in the ``treegrpo`` namespace) with
 several threads: ``run`` (the lease loop) occupies one, while the learner's ``publish`` calls,
-the driver's ``wait_records`` polls, ``scale`` requests and background evaluations use the
-others; ``lock`` guards the shared state. Every prompt group reaches the learner once
-(``groups/consumed`` and ``groups/duplicates`` in the summary count it).
+the driver's ``progress`` calls, ``scale`` requests and background evaluations use the others;
+``lock`` guards the state. Every prompt group reaches the learner once (``groups/consumed`` and
+``groups/duplicates`` in the summary count it).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,15 +28,34 @@ import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.queue import Full
 
-from treegrpo_ray.actors.schedule import LeaseReceipt, eval_seed, load_task
+from treegrpo_ray.actors.schedule import (
+    Lease,
+    LeaseReceipt,
+    eval_seed,
+    load_task,
+    step_leases,
+    training_order,
+)
 from treegrpo_ray.actors.tree_queue import TreeQueue
 from treegrpo_ray.cluster.evaluation import Evaluator, Measurement, Snapshot
-from treegrpo_ray.cluster.leasing import LeaseScheduler
+from treegrpo_ray.cluster.job_state import (
+    Command,
+    DrainQueue,
+    Enqueue,
+    Failure,
+    JobState,
+    Probe,
+    SendPolicy,
+    StartLease,
+    StartWorker,
+    StopWorker,
+)
 from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
-from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement
+from treegrpo_ray.cluster.rollout_pool import RolloutPool, lost_worker, wait_for_placement
 from treegrpo_ray.config import JobConfig
+from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.learners.loop import LearnerPlace
 
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
@@ -52,18 +71,6 @@ PUT_TIMEOUT_S = 60  # the longest wait for room in the queue for a failure messa
 
 
 @dataclass(frozen=True)
-class Failure:
-    """Why a job stopped early: the part that stopped it and its one-line reason (what it
-    kept, how to go on)."""
-
-    source: Literal["learner", "rollout", "evaluation"]
-    reason: str
-
-    def __str__(self) -> str:
-        return self.reason
-
-
-@dataclass(frozen=True)
 class Progress:
     """What the driver needs to follow a job, in one call: the step records after the step it
     has shown, whether a record still waits for its evaluation, and the failure if any."""
@@ -71,6 +78,19 @@ class Progress:
     records: list[dict[str, Any]]
     evaluations_pending: bool
     failure: Failure | None
+
+
+def leases_of_step(cfg: JobConfig, samples: list[Sample]) -> Callable[[int], list[Lease]]:
+    """The run's schedule: a step's leases, a function of the step and the run's seed only."""
+    train = cfg.train
+    order = training_order(len(samples), train.seed)
+
+    def leases(step: int) -> list[Lease]:
+        return step_leases(
+            samples, order, step, train.prompts_per_step, cfg.lease_size(), train.seed
+        )
+
+    return leases
 
 
 class Controller:
@@ -90,24 +110,32 @@ class Controller:
             name, cpus = retriever_actor_name(cfg.name), cfg.cluster.retriever_cpus
             self.search = start_retriever(cfg.task.search_qa, name, num_cpus=cpus)
         self.pool = RolloutPool(cfg, model_path, self.search)
-        for _ in range(cfg.cluster.rollout_workers):
-            self.pool.add(0, None)
         self.lock = threading.Condition()
-        self.version = resume_from or 0
-        self.leases = LeaseScheduler(cfg, self.pool, task.train_samples(), self.version)
+        self.state = JobState(
+            leases_of_step(cfg, task.train_samples()),
+            cfg.train.steps,
+            cfg.train.max_policy_lag,
+            cfg.cluster.rollout_max_restarts,
+            resume_from,
+        )
         self.weights: ray.ObjectRef | None = None  # the newest policy, for workers behind it
-        self.policy_ready = resume_from is None
-        self.consumed: dict[int, list[int]] = {}  # policy version -> groups its update used
+        self.receipts: dict[ray.ObjectRef, int] = {}  # receipt of a lease in flight -> ticket
+        self.batches: dict[int, ray.ObjectRef] = {}  # ticket -> the lease's tree batch
+        self.outbox: list[ray.ObjectRef] = []  # batches to enqueue, outside the lock
+        with self.lock:
+            self._execute(self.state.add_workers(cfg.cluster.rollout_workers))
         self.learners: dict[int, LearnerPlace] = {}
         self.learner_restarts = 0
-        self.evaluations_running = 0  # a scaled-down worker is only stopped when this is 0
         self.evaluator = Evaluator(
-            self.heldout, eval_seed(cfg.train.seed), self.pool, self.lock, self._workers_kept
+            self.heldout,
+            eval_seed(cfg.train.seed),
+            self._workers_on,
+            self.lock,
+            self._workers_kept,
         )
         self.started = time.perf_counter()
         self.interval_start = self.started
         self.running = self.paused = self.parked = self.stopped = False
-        self.failure: Failure | None = None
         self.log = MetricsLog(cfg.run_dir, resume_after=resume_from)
         self.evals_file = cfg.run_dir / EVALS_FILE
         self.evals: dict[str, float] = (
@@ -133,14 +161,12 @@ class Controller:
             self.running = True
         try:
             if evaluate_first:
-                measured = self.evaluator.measure(Snapshot(self.version, None), self._final())
-                self._remember("before", measured)
+                snapshot = Snapshot(self.state.version, None)
+                self._remember("before", self.evaluator.measure(snapshot, self._final()))
             while self._wait_while_paused():
                 with self.lock:
-                    if self.policy_ready:
-                        self.leases.plan(self.version)
-                    if self.leases.issue(self.version, self.weights):
-                        self.lock.notify_all()
+                    self._check_probes()
+                    self._execute(self.state.next_leases())
                 self._collect(self._ready_receipts())
         except Exception as err:
             self.abort(f"rollout failed: {err}", "rollout")
@@ -162,9 +188,48 @@ class Controller:
                 self.parked = False
             return not self.stopped
 
+    def _execute(self, commands: list[Command], weights: ray.ObjectRef | None = None):
+        """Carry out the job state's commands on Ray (the caller holds the lock); returns the
+        refs of the policy sends. ``weights``: what they send (default: the newest policy)."""
+        sends = []
+        for command in commands:
+            match command:
+                case StartWorker(worker_id):
+                    self.pool.start(worker_id)
+                case StopWorker(worker_id):
+                    self.pool.stop(worker_id)
+                case SendPolicy(worker_id, version):
+                    sent = weights if weights is not None else self.weights
+                    assert sent is not None, "the job state sends no policy before one exists"
+                    sends.append(self.pool.sync(worker_id, version, sent))
+                case Probe(worker_id):
+                    self.pool.probe(worker_id)
+                case StartLease(ticket, worker_id, lease):
+                    handle = self.pool.workers[worker_id].handle
+                    receipt, trees = handle.expand_leased.options(num_returns=2).remote(lease)
+                    self.receipts[receipt], self.batches[ticket] = ticket, trees
+                case Enqueue(ticket):
+                    self.outbox.append(self.batches.pop(ticket))
+                case DrainQueue():
+                    self.queue.drain()
+                    self.receipts.clear()
+                    self.batches.clear()
+                    self.outbox.clear()
+        if commands:
+            self.lock.notify_all()
+        return sends
+
+    def _check_probes(self) -> None:
+        """Workers whose probe answered take leases again; a dead one leaves the pool."""
+        for worker_id, error in self.pool.answered_probes():
+            if error is None:
+                self.state.probe_answered(worker_id)
+            else:
+                self._execute(self.state.worker_lost(worker_id, *lost_worker(worker_id, error)))
+
     def _ready_receipts(self) -> list[ray.ObjectRef]:
         with self.lock:
-            pending = list(self.leases.in_flight)
+            pending = list(self.receipts)
             if not pending:
                 self.lock.wait(POLL_S)
                 return []
@@ -180,11 +245,19 @@ class Controller:
             except (RayActorError, OutOfMemoryError) as err:  # the worker died (OOM: Ray killed it)
                 receipt = err
             with self.lock:
-                item = self.leases.settle(ref, receipt)
-                if item is not None:
-                    self._retire_if_asked(item.worker_id)
-            if item is not None:
-                self._enqueue(item.trees)
+                ticket = self.receipts.pop(ref, None)
+                if ticket is None:  # a rewind dropped the lease
+                    continue
+                if isinstance(receipt, LeaseReceipt):
+                    self._execute(self.state.lease_done(ticket, receipt))
+                else:
+                    worker_id = self.state.in_flight[ticket].worker_id
+                    lost = lost_worker(worker_id, receipt)
+                    self._execute(self.state.lease_lost(ticket, *lost))
+                    self.batches.pop(ticket, None)
+                batches, self.outbox = self.outbox, []
+            for trees in batches:
+                self._enqueue(trees)
 
     def _enqueue(self, trees: ray.ObjectRef) -> None:
         """Put a batch in the queue, waiting while it is full (backpressure)."""
@@ -219,8 +292,8 @@ class Controller:
         wait for it."""
         measurements = self._measurements_due(version)
         with self.lock:
-            self.weights, self.version = weights[0], version
-            self.consumed[version] = list(groups)
+            self.weights = weights[0]
+            self.state.published(version, groups)
             metrics.update(self._pipeline_metrics())
             metrics["timing/elapsed_s"] = time.perf_counter() - self.started
             self.log.add(version, metrics, ready=not measurements)
@@ -277,15 +350,17 @@ class Controller:
     def _pipeline_metrics(self) -> dict[str, float]:
         """Queue length, rollout idle share since the last version, the workers' KV caches."""
         now = time.perf_counter()
-        capacity = max(len(self.pool.active()) * (now - self.interval_start), 1e-9)
-        caches = self.leases.worker_cache.values()
+        workers, counters = len(self.state.active()), self.state.counters
+        capacity = max(workers * (now - self.interval_start), 1e-9)
+        caches = counters.worker_cache.values()
+        busy, counters.busy_s = counters.busy_s, 0.0
         metrics = {
             "queue/size": float(self.queue.size()),
-            "rollout/idle_frac": max(0.0, 1.0 - self.leases.take_busy_seconds() / capacity),
-            "rollout/workers": float(len(self.pool.active())),
-            "rollout/worker_failures": float(self.pool.failures),
-            "rollout/memory_kills": float(self.pool.memory_kills),
-            "rollout/peak_rss_bytes": float(self.leases.peak_rss_bytes),
+            "rollout/idle_frac": max(0.0, 1.0 - busy / capacity),
+            "rollout/workers": float(workers),
+            "rollout/worker_failures": float(counters.failures),
+            "rollout/memory_kills": float(counters.memory_kills),
+            "rollout/peak_rss_bytes": float(counters.peak_rss_bytes),
             "rollout/cache_bytes": sum(c["bytes"] for c in caches),
             "rollout/cache_evictions": sum(c["evictions"] for c in caches),
             "rollout/memory_throttles": sum(c.get("memory_throttles", 0.0) for c in caches),
@@ -302,15 +377,12 @@ class Controller:
         with self.lock:
             self.paused = True
             self.lock.wait_for(lambda: self.parked or not self.running or self.stopped)
-            self.leases.rewind(version)
-            self.queue.drain()
-            self.consumed = {v: g for v, g in self.consumed.items() if v <= version}
             self.log.rewind(version)
-            self.weights, self.version = weights[0], version
-            refs = [self.pool.sync(w, version, weights[0]) for w in self.pool.active()]
+            self.weights = weights[0]
+            refs = self._execute(self.state.restored(version))
         ray.get(refs)
         with self.lock:
-            self.policy_ready, self.paused = True, False
+            self.paused = False
             self.lock.notify_all()
 
     @contextlib.contextmanager
@@ -318,14 +390,20 @@ class Controller:
         """No worker is stopped by a scale-down inside this block (an evaluation would lose the
         shard it gave that worker); the ones that left meanwhile are stopped at its end."""
         with self.lock:
-            self.evaluations_running += 1
+            self.state.evaluation_started()
         try:
             yield
         finally:
             with self.lock:
-                self.evaluations_running -= 1
-                for worker_id in list(self.pool.workers):
-                    self._retire_if_asked(worker_id)
+                self._execute(self.state.evaluation_finished())
+
+    def _workers_on(self, snapshot: Snapshot) -> list[Any]:
+        """Handles of the usable workers, each sent ``snapshot`` first if it holds another
+        version (the caller holds the lock). Without weights only those already on it."""
+        can_send = snapshot.weights is not None
+        workers, sends = self.state.evaluation_workers(snapshot.version, can_send)
+        self._execute(sends, snapshot.weights)
+        return [self.pool.workers[w].handle for w in workers]
 
     # --- scaling ------------------------------------------------------------------------------
 
@@ -339,47 +417,29 @@ class Controller:
         if rollout_workers < 1:
             raise ValueError(f"rollout_workers must be at least 1, got {rollout_workers}")
         with self.lock:
-            active = self.pool.active()
-            self.pool.check_room(rollout_workers - len(active))
-            added = [
-                self.pool.add(self.version, self.weights, probe=True)
-                for _ in range(rollout_workers - len(active))
-            ]
+            active = len(self.state.active())
+            self.pool.check_room(active, rollout_workers - active)
+            started = self.state.add_workers(rollout_workers - active, probe=True)
+            self._execute(started)
+            added = [c.worker_id for c in started if isinstance(c, StartWorker)]
             groups = [self.pool.workers[w].group for w in added]
         unplaced = wait_for_placement(groups, PLACEMENT_TIMEOUT_S)
         with self.lock:
             if unplaced:
-                for worker_id in added:
-                    self.pool.remove(worker_id)
+                self._execute(self.state.placement_failed(added))
                 raise self.pool.placement_error(unplaced, PLACEMENT_TIMEOUT_S)
-            leaving = active[rollout_workers:]
-            for worker_id in leaving:
-                self.pool.workers[worker_id].retiring = True
-                self._retire_if_asked(worker_id)
+            leaving = self.state.active()[rollout_workers:]
+            self._execute(self.state.shrink_to(rollout_workers))
             self.lock.wait_for(
-                lambda: self.stopped or not any(w in self.pool.workers for w in leaving)
+                lambda: self.stopped or not any(w in self.state.workers for w in leaving)
             )
-            version = self.version
+            version = self.state.version
             handles = [self.pool.workers[w].handle for w in added]
         return {
-            "rollout_workers": len(self.pool.active()),
+            "rollout_workers": len(self.state.active()),
             "policy_version": version,
             "added_versions": ray.get([h.policy_version.remote() for h in handles]),
         }
-
-    def _retire_if_asked(self, worker_id: int) -> None:
-        """Stop a retiring worker once it holds no lease and no evaluation runs (caller holds
-        the lock)."""
-        worker = self.pool.workers.get(worker_id)
-        holds_lease = self.leases.holds_lease(worker_id)
-        if (
-            worker is not None
-            and worker.retiring
-            and not holds_lease
-            and not self.evaluations_running
-        ):
-            self.pool.remove(worker_id)
-            self.lock.notify_all()
 
     # --- for the driver -----------------------------------------------------------------------
 
@@ -397,7 +457,7 @@ class Controller:
         for record in self.log.records:
             for key in BUDGET_TOTALS:
                 totals[key] = totals.get(key, 0.0) + record.get(key, 0.0)
-        counts = collections.Counter(g for groups in self.consumed.values() for g in groups)
+        counts = self.state.consumed_counts()
         return {
             **self.evals,
             **totals,
@@ -428,8 +488,8 @@ class Controller:
         """Handles of the rollout workers running a lease, by worker id; waits up to
         ``timeout`` s for one (observability, and fault tests kill one mid-step)."""
         with self.lock:
-            self.lock.wait_for(lambda: self.leases.in_flight or self.stopped, timeout)
-            busy = {item.worker_id for item in self.leases.in_flight.values()}
+            self.lock.wait_for(lambda: self.state.in_flight or self.stopped, timeout)
+            busy = self.state.busy_workers()
             return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
 
     def progress(self, after_step: int, timeout: float) -> Progress:
@@ -437,18 +497,19 @@ class Controller:
         the evaluations still pending and the failure, read together."""
         records = self.wait_records(after_step, timeout)
         with self.lock:
-            return Progress(records, bool(self.log.pending), self.failure)
+            return Progress(records, bool(self.log.pending), self.state.failure)
 
     def abort(
         self, reason: str, source: Literal["learner", "rollout", "evaluation"] = "learner"
     ) -> None:
         """A part of the job stopped the run (``reason`` says why and what it saved; a report of
         Ray's memory monitor in it is cut to one line)."""
-        self.failure = Failure(source, short_failure(reason))
+        with self.lock:
+            self.state.fail(source, short_failure(reason))
         self.stop()
 
     def failed(self) -> Failure | None:
-        return self.failure
+        return self.state.failure
 
     def stop(self) -> None:
         with self.lock:

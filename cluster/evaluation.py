@@ -20,7 +20,6 @@ from typing import Any
 import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
 
-from treegrpo_ray.cluster.rollout_pool import RolloutPool
 from treegrpo_ray.envs.base import Sample
 
 SHARD_ATTEMPTS = 3  # a shard is sent at most this often (its worker may die each time)
@@ -47,23 +46,25 @@ class Snapshot:
 
 
 class Evaluator:
-    """Runs measurements of a snapshot on the pool's workers.
+    """Runs measurements of a snapshot on the job's rollout workers.
 
-    ``lock`` is the controller's: worker versions are read and weights sent under it, so that an
-    evaluation's calls and the lease loop's interleave in a known order. ``kept`` is a context
-    manager inside which no scaled-down worker is stopped (it would lose its shard)."""
+    ``workers_on(snapshot)``: the handles of the usable workers, each sent the snapshot's policy
+    first if it holds another (none when no weights can be sent); called under ``lock``, the
+    controller's, so that an evaluation's calls and the lease loop's interleave in a known order.
+    ``kept`` is a context manager inside which no scaled-down worker is stopped (it would lose
+    its shard)."""
 
     def __init__(
         self,
         heldout: list[Sample],
         seed: int,
-        pool: RolloutPool,
+        workers_on: Callable[[Snapshot], list[Any]],
         lock: threading.Condition,
         kept: Callable[[], Any],
     ):
         self.heldout = heldout
         self.seed = seed
-        self.pool = pool
+        self.workers_on = workers_on
         self.lock = lock
         self.kept = kept
 
@@ -106,16 +107,16 @@ class Evaluator:
         with self.lock:
             workers = self._wait_for_workers(snapshot)
             return {
-                self.pool.workers[workers[i % len(workers)]].handle.evaluate.remote(
+                workers[i % len(workers)].evaluate.remote(
                     shards[shard], measurement.temperature, self.seed
                 ): shard
                 for i, shard in enumerate(todo)
             }
 
-    def _wait_for_workers(self, snapshot: Snapshot) -> list[int]:
-        """``_workers_on``, waiting while there is none (the caller holds the lock)."""
+    def _wait_for_workers(self, snapshot: Snapshot) -> list[Any]:
+        """``workers_on``, waiting while there is none (the caller holds the lock)."""
         deadline = time.monotonic() + WORKER_WAIT_S
-        while not (workers := self._workers_on(snapshot)):
+        while not (workers := self.workers_on(snapshot)):
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"no rollout worker could evaluate policy version {snapshot.version} within "
@@ -123,15 +124,3 @@ class Evaluator:
                 )
             self.lock.wait(1.0)  # lets the lease loop bring restarted workers back
         return workers
-
-    def _workers_on(self, snapshot: Snapshot) -> list[int]:
-        """Usable workers, each given ``snapshot`` first if it holds another version (the
-        caller holds the lock). Without weights only the workers already on it qualify."""
-        out = []
-        for worker_id in self.pool.usable():
-            if self.pool.workers[worker_id].version != snapshot.version:
-                if snapshot.weights is None:
-                    continue
-                self.pool.sync(worker_id, snapshot.version, snapshot.weights)
-            out.append(worker_id)
-        return out

@@ -2,9 +2,9 @@
 
 A worker is created with ``max_restarts`` (a killed worker comes back as a fresh instance, on the
 initial policy) and ``max_task_retries=0`` (the lease it was running fails instead of being
-replayed on an instance with the wrong policy): the controller re-issues the lease, and the
+replayed on an instance with the wrong policy): the job state re-issues the lease, and the
 restarted instance, once a probe call answers, gets the current policy before its next lease
-(``lost_lease``, ``check_probes``).
+(``cluster/job_state.py``).
 Workers are added and retired one by one (``treegrpo scale``); each worker's placement group
 reserves ``cluster.rollout_cpus`` and ``cluster.rollout_resources`` on one node.
 """
@@ -31,13 +31,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PoolWorker:
-    """One worker: its actor, the policy version last sent to it, its placement group."""
+    """One worker's actor and the placement group it runs in."""
 
     handle: Any
-    version: int
     group: PlacementGroup | None
-    retiring: bool = False
-    probe: ray.ObjectRef | None = None  # set while Ray restarts the worker
 
 
 def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
@@ -71,25 +68,20 @@ def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> i
 
 
 class RolloutPool:
-    """The job's rollout workers by id (ids grow; a retired id is never reused)."""
+    """The job's rollout worker actors by id (``JobState`` decides which exist; this class
+    starts, syncs, probes and stops them on Ray)."""
 
     def __init__(self, cfg: JobConfig, model_path: str, search: Any = None):
         self.cfg = cfg
         self.model_path = model_path
         self.search = search  # passed to every worker's environment (search_qa's retriever)
         self.workers: dict[int, PoolWorker] = {}
-        self.next_id = 0
-        self.failures = 0  # worker deaths: restarted by Ray, or gone for good
+        self.probes: dict[ray.ObjectRef, int] = {}  # pending probe -> worker id
         largest = max(n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"])
         self.workers_per_node = cfg.rollout_workers_per_node(largest)  # share the KV budget
-        self.memory_kills = 0  # of which Ray's memory monitor killed
-        self.last_failure = ""  # one line on the latest death
 
-    def add(self, version: int, weights: ray.ObjectRef | None, probe: bool = False) -> int:
-        """Start one worker; when ``weights`` is given it loads policy ``version`` first.
-        ``probe``: it is not usable until it answers a probe (a worker added while the job
-        runs, whose placement group may take a while)."""
-        worker_id, self.next_id = self.next_id, self.next_id + 1
+    def start(self, worker_id: int) -> None:
+        """Start worker ``worker_id`` on the initial policy, in a placement group of its own."""
         options, group = _actor_options(self.cfg)
         engine = self.cfg.worker_engine()
         handle = (
@@ -109,12 +101,7 @@ class RolloutPool:
                 workers_on_node=self.workers_per_node,
             )
         )
-        self.workers[worker_id] = PoolWorker(handle, 0, group)
-        if weights is not None:
-            self.sync(worker_id, version, weights)
-        if probe:
-            self.workers[worker_id].probe = handle.policy_version.remote()
-        return worker_id
+        self.workers[worker_id] = PoolWorker(handle, group)
 
     def placement_error(self, unplaced: int, timeout: float) -> ValueError:
         """The error for ``unplaced`` workers whose placement group was not reserved in time."""
@@ -124,11 +111,11 @@ class RolloutPool:
             f"{ray.available_resources()} free; add nodes or lower cluster.rollout_cpus"
         )
 
-    def check_room(self, more: int) -> None:
+    def check_room(self, active: int, more: int) -> None:
         """Refuse at once (ValueError, with the arithmetic) ``more`` workers that the cluster
         cannot hold even if everything this job does not hold were free: its totals minus what
-        the job reserves with its active workers (a wait could only end at the timeout)."""
-        cfg, active = self.cfg, len(self.active())
+        the job reserves with its ``active`` workers (a wait could only end at the timeout)."""
+        cfg = self.cfg
         total, held = ray.cluster_resources(), cfg.required_resources(active)
         short = []
         for key, each in cfg.rollout_worker_resources().items():
@@ -147,66 +134,50 @@ class RolloutPool:
 
     def sync(self, worker_id: int, version: int, weights: ray.ObjectRef) -> ray.ObjectRef:
         """Send policy ``version`` to a worker (ordered before any later call to it)."""
-        worker = self.workers[worker_id]
-        worker.version = version
-        return worker.handle.load_weights.remote(version, weights)
+        return self.workers[worker_id].handle.load_weights.remote(version, weights)
 
-    def lost_lease(self, worker_id: int, error: Exception) -> None:
-        """The worker died running a lease. ``ActorUnavailableError``, or ``OutOfMemoryError``
-        (Ray's memory monitor killed it): Ray is restarting it (a fresh instance on the initial
-        policy) if it has restarts left: it takes no lease until a probe answers, and is synced
-        first. ``ActorDiedError``: it is gone for good (restarts used up); it leaves the pool.
-        Raises when no worker is left."""
-        self.failures += 1
-        self.last_failure = short_failure(str(error)).splitlines()[-1]
-        if isinstance(error, OutOfMemoryError):
-            self.memory_kills += 1
-            logger.warning("rollout worker %d: %s", worker_id, self.last_failure)
-        if isinstance(error, (ActorUnavailableError, OutOfMemoryError)):
-            worker = self.workers[worker_id]
-            worker.version = -1
-            worker.probe = worker.handle.policy_version.remote()
-        else:
-            self.remove(worker_id)
-        if not self.workers:
-            raise RuntimeError(
-                "every rollout worker died and cannot be restarted (cluster.rollout_max_restarts "
-                f"= {self.cfg.cluster.rollout_max_restarts}); the last: {self.last_failure}"
-            )
+    def probe(self, worker_id: int) -> None:
+        self.probes[self.workers[worker_id].handle.policy_version.remote()] = worker_id
 
-    def check_probes(self) -> None:
-        """Workers whose probe answered are usable again; a dead one leaves the pool."""
-        probes = {w.probe: i for i, w in self.workers.items() if w.probe is not None}
-        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=0)
+    def answered_probes(self) -> list[tuple[int, Exception | None]]:
+        """The probes that answered since the last call: each worker id with None (it answers)
+        or the error it raised. A worker still restarting is probed again."""
+        ready, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
+        answers: list[tuple[int, Exception | None]] = []
         for ref in ready:
-            worker_id = probes[ref]
-            worker = self.workers[worker_id]
+            worker_id = self.probes.pop(ref)
             try:
                 ray.get(ref)
-                worker.probe = None
+                answers.append((worker_id, None))
             except ActorUnavailableError:  # still restarting
-                worker.probe = worker.handle.policy_version.remote()
+                self.probe(worker_id)
             except RayActorError as err:
-                self.lost_lease(worker_id, err)
-
-    def usable(self) -> list[int]:
-        """Active workers that answer (not restarting)."""
-        return [i for i in self.active() if self.workers[i].probe is None]
-
-    def active(self) -> list[int]:
-        """Ids of the workers that take new leases."""
-        return [i for i, w in self.workers.items() if not w.retiring]
+                answers.append((worker_id, err))
+        return answers
 
     def handles(self) -> list[Any]:
         return [w.handle for w in self.workers.values()]
 
-    def remove(self, worker_id: int) -> None:
+    def stop(self, worker_id: int) -> None:
         """Stop a worker and free its placement group."""
         worker = self.workers.pop(worker_id)
+        self.probes = {ref: w for ref, w in self.probes.items() if w != worker_id}
         ray.kill(worker.handle, no_restart=True)
         if worker.group is not None:
             remove_placement_group(worker.group)
 
     def shutdown(self) -> None:
         for worker_id in list(self.workers):
-            self.remove(worker_id)
+            self.stop(worker_id)
+
+
+def lost_worker(worker_id: int, error: Exception) -> tuple[bool, bool, str]:
+    """How a worker died, from the error its call raised: whether Ray restarts it
+    (``ActorUnavailableError``, or ``OutOfMemoryError``: Ray's memory monitor killed it, and a
+    restart follows if restarts are left; ``ActorDiedError``: gone for good), whether the memory
+    monitor killed it, and a one-line reason."""
+    reason = short_failure(str(error)).splitlines()[-1]
+    memory_kill = isinstance(error, OutOfMemoryError)
+    if memory_kill:
+        logger.warning("rollout worker %d: %s", worker_id, reason)
+    return isinstance(error, (ActorUnavailableError, OutOfMemoryError)), memory_kill, reason
