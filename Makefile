@@ -22,4 +22,4 @@ fast:
 	python -m pytest -q
 
 lint:
-	ruff check . && ruff format --check . && mypy treegrpo_ray actors learners cluster experiments tooling
+	ruff check . && ruff format --check . && mypy treegrpo_ray actors learners cluster commands experiments tooling

@@ -1,9 +1,10 @@
 """treegrpo-ray: Tree-GRPO for LLM agents on Ray.
 
-The pure algorithm lives in this folder. The rollout side, the learners, the orchestration, the
-experiments and the tooling sit beside it in a checkout (``actors/``, ``learners/``,
-``cluster/``, ``experiments/``, ``tooling/``) and are installed as this package's subpackages
-``treegrpo_ray.actors``, ``.learners``, ``.cluster``, ``.experiments``, ``.tooling``
+The pure algorithm lives in this folder. The rollout side, the learners, the job runtime, the
+operator commands, the experiments and the tooling sit beside it in a checkout (``actors/``,
+``learners/``, ``cluster/``, ``commands/``, ``experiments/``, ``tooling/``) and are installed as
+this package's subpackages ``treegrpo_ray.actors``, ``.learners``, ``.cluster``, ``.commands``,
+``.experiments``, ``.tooling``
 (pyproject's ``package-dir``), so that no generic top-level name lands in site-packages. Adding
 the checkout's root to ``__path__`` gives them the same names when the code runs from a checkout
 (a Ray Jobs working directory, ``PYTHONPATH=.``); an installed copy already holds them.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 
 pytestmark = pytest.mark.ray
 
@@ -38,7 +38,7 @@ def _cli_process(
 ) -> subprocess.CompletedProcess:
     """Run the CLI in a fresh process with exactly ``env`` (plus PATH)."""
     env = {"PATH": os.environ["PATH"], **env}
-    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", *args]
+    command = [sys.executable, "-m", "treegrpo_ray.commands.cli", *args]
     return subprocess.run(
         command, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
@@ -250,8 +250,8 @@ def test_job_commands_and_the_scaler_load_no_torch():
     import neither torch nor transformers (each costs seconds to import)."""
     probe = (
         "import sys\n"
-        "import treegrpo_ray.cluster.scale\n"
-        "from treegrpo_ray.cluster.cli import main\n"
+        "import treegrpo_ray.commands.scale\n"
+        "from treegrpo_ray.commands.cli import main\n"
         "code = main(['status', '--address', 'http://127.0.0.1:1'])\n"
         "print(code, sorted({'torch', 'transformers'} & set(sys.modules)))\n"
     )

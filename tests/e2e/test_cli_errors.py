@@ -9,7 +9,7 @@ import sys
 import pytest
 from huggingface_hub import constants
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def _assert_one_line_error(result, *fragments):
 
 def test_unknown_preset_in_a_real_process():
     result = subprocess.run(
-        [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "no-such-preset"],
+        [sys.executable, "-m", "treegrpo_ray.commands.cli", "train", "no-such-preset"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -84,7 +84,7 @@ def test_a_hub_id_missing_offline_makes_no_network_attempt(tmp_path):
             "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}",
         }
         result = subprocess.run(
-            [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop",
+            [sys.executable, "-m", "treegrpo_ray.commands.cli", "train", "tiny-multihop",
              "--set", "model.path=Nobody/missing-model", *_fresh_output(tmp_path)],
             capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip

@@ -21,7 +21,7 @@ from selenium.webdriver.support.ui import Select
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import Lease
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.packing import pack_trees

@@ -29,7 +29,15 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "cluster" / "deploy"
 IMAGE_WORKDIR = "/home/ray/treegrpo-ray"  # the Dockerfile's WORKDIR
-GENERIC_NAMES = ("actors", "learners", "cluster", "experiments", "tooling", "benchmarks")
+GENERIC_NAMES = (
+    "actors",
+    "learners",
+    "cluster",
+    "commands",
+    "experiments",
+    "tooling",
+    "benchmarks",
+)
 
 
 def _image_file_set(dest: Path) -> Path:
@@ -102,7 +110,7 @@ def _run(bin_dir: Path, cwd: Path, *args: str, timeout: float = 600) -> subproce
 
 def test_the_wheel_installs_only_namespaced_packages(installed, tmp_path):
     code = (
-        "import importlib.util, json, treegrpo_ray.cluster.cli as cli; "
+        "import importlib.util, json, treegrpo_ray.commands.cli as cli; "
         f"print(json.dumps([cli.__file__] + [bool(importlib.util.find_spec(n)) for n in {GENERIC_NAMES!r}]))"
     )
     done = _run(installed, tmp_path, "python", "-c", code)

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("trl", reason="the peer extra (pip install -e '.[peer]') is not installed")
 
-from treegrpo_ray.cluster.cli import main  # noqa: E402
+from treegrpo_ray.commands.cli import main  # noqa: E402
 
 
 @pytest.mark.slow  # TRL and ours on the warm-started policy

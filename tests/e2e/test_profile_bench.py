@@ -6,7 +6,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.tree import trees_from_arrow
 
 

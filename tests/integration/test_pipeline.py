@@ -18,9 +18,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from treegrpo_ray.cluster.cli import main
 from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.cluster.train import FIT_THREAD, resume_step, train
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.config import resume_config
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.modeling import load_policy
@@ -192,84 +192,91 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     instance is gone."""
     cfg, summary = two_step_run(learners=1)
     other_runs = tmp_path / "other"
-    other_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
-    started: list[subprocess.Popen] = []
-
-    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop"]
-    command += ["--quiet", *(a for s in _long_run(tiny_cfg, other_runs) for a in ("--set", s))]
+    started: list[OwnRayRun] = []
 
     def start_other(_controller) -> None:
         """Called once this run's Ray is up (two Ray instances starting at once could race for a
         port): the other training starts while this one starts Ray Train and trains."""
         with _sigint_not_ignored():
-            started.append(
-                subprocess.Popen(
-                    command,
-                    env={**os.environ, "RAY_TMPDIR": str(other_ray)},
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+            started.append(OwnRayRun(tiny_cfg, other_runs))
 
     again = make_cfg("name=e2e-again", *two_step_overrides(learners=1))
     try:
         train(again, progress=False, on_start=start_other)
         (other,) = started
-        # Its first record: it was busy all along (start-up, then training; it cannot end before
-        # it is stopped), and it is stopped while it trains.
-        other_metrics = other_runs / "tiny-multihop" / "metrics.jsonl"
-        first = next(follow_records(other_metrics, writer_pid=other.pid), None)
-        assert first is not None, other.stderr.read()  # it exited before its first step
-        other_ray_processes = _processes_naming(other_ray)
-        assert other_ray_processes  # the check below looks where its Ray runs
+        # It was busy all along (start-up, then training; it cannot end before it is stopped),
+        # and it is stopped while it trains.
+        other.wait_for_first_step(follow_records)
     finally:
         for other in started:
-            other.send_signal(signal.SIGINT)
-            try:
-                _, stderr = other.communicate()  # pytest's timeout bounds the wait
-            finally:
-                if other.poll() is None:  # the test failed waiting: no training left behind
-                    other.terminate()  # Ray's handler exits through train()'s cleanup
+            other.stop(signal.SIGINT)
     expected, got = (_read_records(c.run_dir) for c in (cfg, again))
     assert [_repeatable(r) for r in got] == [_repeatable(r) for r in expected]
     assert _same_tensors(cfg.run_dir / "checkpoint-final", again.run_dir / "checkpoint-final")
-
-    assert other.returncode == 130, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith("treegrpo: interrupted; "), stderr[-3000:]
-    _, left = psutil.wait_procs(other_ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
-    assert not left, [p.info["cmdline"] for p in left]
-    shutil.rmtree(other_ray, ignore_errors=True)
+    other.assert_stopped_cleanly()
 
 
 def test_sigterm_stops_a_local_run_as_ctrl_c_does(tiny_cfg, tiny_policy, tmp_path, follow_records):
     """``kill`` (SIGTERM) on a training that started its own Ray: the run says what it kept and
     exits through its cleanup (not killed by Ray's handler, which left the session's workers
     running), and no process of its Ray instance is left."""
-    own_ray = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # Ray's socket paths stay short
-    command = [sys.executable, "-m", "treegrpo_ray.cluster.cli", "train", "tiny-multihop"]
-    command += ["--quiet", *(a for s in _long_run(tiny_cfg, tmp_path) for a in ("--set", s))]
-    run = subprocess.Popen(
-        command,
-        env={**os.environ, "RAY_TMPDIR": str(own_ray)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = OwnRayRun(tiny_cfg, tmp_path)
     try:
-        metrics = tmp_path / "tiny-multihop" / "metrics.jsonl"
-        first = next(follow_records(metrics, writer_pid=run.pid), None)
-        assert first is not None, run.stderr.read()  # it exited before its first step
-        ray_processes = _processes_naming(own_ray)
-        assert ray_processes  # the check below looks where its Ray runs
+        run.wait_for_first_step(follow_records)
     finally:
-        run.terminate()  # SIGTERM
-        _, stderr = run.communicate()  # pytest's timeout bounds the wait
-    assert run.returncode == 130, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith("treegrpo: interrupted; "), stderr[-3000:]
-    _, left = psutil.wait_procs(ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
-    assert not left, [p.info["cmdline"] for p in left]
-    shutil.rmtree(own_ray, ignore_errors=True)
+        run.stop(signal.SIGTERM)
+    run.assert_stopped_cleanly()
+
+
+class OwnRayRun:
+    """``treegrpo train`` in a process of its own, starting its own Ray instance under a fresh
+    temp dir, on the tests' warm start; it trains until it is stopped."""
+
+    def __init__(self, tiny_cfg, output_dir: Path):
+        self.ray_dir = Path(tempfile.mkdtemp(prefix="tgo-", dir="/tmp"))  # socket paths stay short
+        self.metrics = output_dir / "tiny-multihop" / "metrics.jsonl"
+        overrides = [
+            "train.steps=100000",
+            "train.eval_every=0",
+            f"train.output_dir={output_dir}",
+            f"warmstart.steps={tiny_cfg.warmstart.steps}",
+            f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
+        ]
+        command = [sys.executable, "-m", "treegrpo_ray.commands.cli", "train", "tiny-multihop"]
+        command += ["--quiet", *(a for s in overrides for a in ("--set", s))]
+        self.process = subprocess.Popen(
+            command,
+            env={**os.environ, "RAY_TMPDIR": str(self.ray_dir)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.ray_processes: list[psutil.Process] = []
+        self.stderr = ""
+
+    def wait_for_first_step(self, follow_records) -> None:
+        """Wait for its first record; note the processes of its Ray instance."""
+        first = next(follow_records(self.metrics, writer_pid=self.process.pid), None)
+        assert first is not None, self.process.stderr.read()  # it exited before its first step
+        self.ray_processes = _processes_naming(self.ray_dir)
+        assert self.ray_processes  # the check after the stop looks where its Ray runs
+
+    def stop(self, sig: signal.Signals) -> None:
+        self.process.send_signal(sig)
+        try:
+            _, self.stderr = self.process.communicate()  # pytest's timeout bounds the wait
+        finally:
+            if self.process.poll() is None:  # the test failed waiting: no training left behind
+                self.process.terminate()
+
+    def assert_stopped_cleanly(self) -> None:
+        """It said what it kept, exited as interrupted and left no process of its Ray."""
+        stderr = self.stderr[-3000:]
+        assert self.process.returncode == 130, stderr
+        assert self.stderr.strip().splitlines()[-1].startswith("treegrpo: interrupted; "), stderr
+        _, left = psutil.wait_procs(self.ray_processes, timeout=STOPPED_PROCESS_WAIT_S)
+        assert not left, [p.info["cmdline"] for p in left]
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -290,17 +297,6 @@ def _processes_naming(path: Path) -> list[psutil.Process]:
         p
         for p in psutil.process_iter(["cmdline"])
         if f"{path}/" in " ".join(p.info["cmdline"] or [])
-    ]
-
-
-def _long_run(tiny_cfg, output_dir):
-    """Overrides of a training that runs until it is killed, on the tests' warm start."""
-    return [
-        "train.steps=100000",
-        "train.eval_every=0",
-        f"train.output_dir={output_dir}",
-        f"warmstart.steps={tiny_cfg.warmstart.steps}",
-        f"warmstart.cache_dir={tiny_cfg.warmstart.cache_dir}",
     ]
 
 

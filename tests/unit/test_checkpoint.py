@@ -169,7 +169,7 @@ def test_with_no_intact_checkpoint_nothing_is_chosen(two_checkpoints, tmp_path):
 
 
 def test_checkpoints_command_lists_each_with_its_state(two_checkpoints, tmp_path, capsys):
-    from treegrpo_ray.cluster.cli import main
+    from treegrpo_ray.commands.cli import main
 
     run = tmp_path.parent / f"{tmp_path.name}-run"  # tmp_path itself holds the checkpoints
     checkpoint.shutil.move(tmp_path, run / "checkpoints")

@@ -21,7 +21,7 @@ import pytest
 import ray
 import yaml
 
-from treegrpo_ray.cluster.cli import _parser
+from treegrpo_ray.commands.cli import _parser
 from treegrpo_ray.config import JobConfig, load_config
 from treegrpo_ray.errors import UserInputError
 

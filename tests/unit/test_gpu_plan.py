@@ -5,7 +5,7 @@ on a shape they were not fitted on too); here the arithmetic is checked."""
 
 import pytest
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.config import JobConfig
 from treegrpo_ray.gpu_plan import gpu_plan, place
 from treegrpo_ray.memory_plan import GB, ModelSizes, gpu_activation_bytes, gpu_learner_plan

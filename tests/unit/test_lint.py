@@ -18,7 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
         ["ruff", "format", "--check", "."],
         # a minute or two without its cache (a fresh clone): the slow tier
         pytest.param(
-            ["mypy", "treegrpo_ray", "actors", "learners", "cluster", "experiments", "tooling"],
+            [
+                "mypy",
+                "treegrpo_ray",
+                "actors",
+                "learners",
+                "cluster",
+                "commands",
+                "experiments",
+                "tooling",
+            ],
             marks=pytest.mark.slow,
         ),
     ],

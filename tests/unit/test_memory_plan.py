@@ -1,7 +1,7 @@
 """The CPU memory plan (treegrpo_ray/memory_plan.py, cluster/plan.py): sizes hand-computed for
 the tiny Qwen2, the engine's and learner's terms, the refusal and ``treegrpo plan``."""
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.config import JobConfig, LoraSettings, TinyModelConfig
 from treegrpo_ray.learners.learner import with_lora_adapter
 from treegrpo_ray.memory_plan import (

@@ -2,7 +2,7 @@
 
 import pytest
 
-from treegrpo_ray.cluster.cli import main
+from treegrpo_ray.commands.cli import main
 from treegrpo_ray.config import load_config
 from treegrpo_ray.errors import UserInputError
 from treegrpo_ray.tooling import pretrained

@@ -1,4 +1,4 @@
-"""``python -m treegrpo_ray.cluster.scale RUN K [WAIT_S]``: resize run RUN's rollout pool to K workers.
+"""``python -m treegrpo_ray.commands.scale RUN K [WAIT_S]``: resize run RUN's rollout pool to K workers.
 
 ``treegrpo scale`` submits this as a short Ray job, so it reaches the cluster through the same
 dashboard address and token as ``submit``; here, on the cluster, it finds the run's controller

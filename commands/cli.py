@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from treegrpo_ray.cluster.jobs import JOB_COMMANDS, add_job_commands, run_job_command
+from treegrpo_ray.commands.jobs import JOB_COMMANDS, add_job_commands, run_job_command
 from treegrpo_ray.errors import TrainingStopped, UserInputError
 
 INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C

@@ -221,7 +221,7 @@ def submit(
     root = Path(working_dir or ".").resolve()
     if not root.is_dir():
         raise UserInputError(f"working directory {working_dir} is not a directory")
-    args = ["python", "-m", "treegrpo_ray.cluster.cli", "train", _entrypoint_config(config, root)]
+    args = ["python", "-m", "treegrpo_ray.commands.cli", "train", _entrypoint_config(config, root)]
     for override in [*overrides, "cluster.address=auto"]:
         args += ["--set", override]
     runtime_env: dict[str, Any] = {"working_dir": str(root), "excludes": EXCLUDES}
@@ -278,7 +278,7 @@ def stop(address: str | None, job: str) -> bool:
 
 def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 600) -> dict:
     """Resize the rollout pool of running job ``job`` (a job id or a run name) to
-    ``rollout_workers``, through a short Ray job running ``treegrpo_ray.cluster.scale`` on the cluster;
+    ``rollout_workers``, through a short Ray job running ``treegrpo_ray.commands.scale`` on the cluster;
     returns the controller's answer (``Controller.scale``). The learners are not touched."""
     if rollout_workers < 1:
         raise UserInputError(
@@ -293,7 +293,7 @@ def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 
         command = [
             "python",
             "-m",
-            "treegrpo_ray.cluster.scale",
+            "treegrpo_ray.commands.scale",
             run,
             str(rollout_workers),
             f"{wait:g}",
