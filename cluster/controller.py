@@ -45,6 +45,7 @@ from treegrpo_ray.cluster.job_state import (
     Failure,
     JobState,
     Probe,
+    ScaleResult,
     SendPolicy,
     StartLease,
     StartWorker,
@@ -407,7 +408,7 @@ class Controller:
 
     # --- scaling ------------------------------------------------------------------------------
 
-    def scale(self, rollout_workers: int) -> dict[str, Any]:
+    def scale(self, rollout_workers: int) -> ScaleResult:
         """Grow or shrink the rollout pool to ``rollout_workers`` without touching the learners.
 
         New workers load the newest policy and take a lease once they answer; the lock is not
@@ -435,11 +436,8 @@ class Controller:
             )
             version = self.state.version
             handles = [self.pool.workers[w].handle for w in added]
-        return {
-            "rollout_workers": len(self.state.active()),
-            "policy_version": version,
-            "added_versions": ray.get([h.policy_version.remote() for h in handles]),
-        }
+        added_versions = ray.get([h.policy_version.remote() for h in handles])
+        return ScaleResult(len(self.state.active()), version, added_versions)
 
     # --- for the driver -----------------------------------------------------------------------
 

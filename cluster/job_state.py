@@ -22,8 +22,9 @@ of 1 or more the workers keep generating while the learner trains.
 from __future__ import annotations
 
 import collections
+import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from treegrpo_ray.actors.schedule import Lease, LeaseReceipt
@@ -42,6 +43,29 @@ class Failure:
 
     def __str__(self) -> str:
         return self.reason
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    """The answer to a scale request: the active workers, the newest policy version, and the
+    versions the added workers loaded (each at most the newest: a version may be published
+    while they are placed). It travels as one JSON line in the log of ``treegrpo scale``'s
+    short job."""
+
+    rollout_workers: int
+    policy_version: int
+    added_versions: list[int]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> ScaleResult:
+        """Raises ValueError when ``line`` is not such an answer."""
+        try:
+            return cls(**json.loads(line))
+        except (json.JSONDecodeError, TypeError) as err:
+            raise ValueError(f"not a scale answer: {line!r}") from err
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from tqdm import tqdm
 
 from treegrpo_ray.cluster.controller import Controller
-from treegrpo_ray.cluster.local_ray import init_local_ray
+from treegrpo_ray.cluster.local_ray import cluster_address, init_local_ray
 from treegrpo_ray.cluster.memory_kills import memory_kill_line
 from treegrpo_ray.cluster.naming import NAMESPACE, controller_name
 from treegrpo_ray.cluster.plan import check_memory
@@ -72,7 +72,7 @@ def _connect(cfg: JobConfig) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(cfg)
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         return True

@@ -165,6 +165,10 @@ def _run(args: argparse.Namespace) -> int:
 
         print(resolve_model_path(cfg, progress=not args.quiet))
         return 0
+    from treegrpo_ray.cluster.local_ray import cluster_address, keep_local_ray_on_loopback
+
+    if cluster_address(cfg) is None:  # a local run: nothing of it listens beyond this machine
+        keep_local_ray_on_loopback()
     from treegrpo_ray.cluster.train import train
     from treegrpo_ray.learners.checkpoint import resume_hint
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import re
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from treegrpo_ray.cluster.job_state import ScaleResult
 from treegrpo_ray.errors import UserInputError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -276,7 +276,7 @@ def stop(address: str | None, job: str) -> bool:
         return client.stop_job(job)
 
 
-def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 600) -> dict:
+def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 600) -> ScaleResult:
     """Resize the rollout pool of running job ``job`` (a job id or a run name) to
     ``rollout_workers``, through a short Ray job running ``treegrpo_ray.commands.scale`` on the cluster;
     returns the controller's answer (``Controller.scale``). The learners are not touched."""
@@ -315,8 +315,8 @@ def scale(address: str | None, job: str, rollout_workers: int, timeout: float = 
     if lines[-1].startswith("treegrpo: error: "):
         raise UserInputError(lines[-1].removeprefix("treegrpo: error: "))
     try:
-        return json.loads(lines[-1])
-    except json.JSONDecodeError:
+        return ScaleResult.from_json(lines[-1])
+    except ValueError:
         if ended:
             raise UserInputError(f"the job of run {run} ended before it could be scaled") from None
         raise UserInputError(f"scaling {run} failed: {lines[-1]}") from None
@@ -402,10 +402,10 @@ def run_job_command(args: argparse.Namespace) -> int:
             return 130
     elif args.command == "scale":
         result = scale(address, args.job, args.rollout_workers)
-        added = result["added_versions"]
+        added = result.added_versions
         print(
-            f"{args.job}: {result['rollout_workers']} rollout workers "
-            f"(policy version {result['policy_version']}"
+            f"{args.job}: {result.rollout_workers} rollout workers "
+            f"(policy version {result.policy_version}"
             + (f"; {len(added)} added, on versions {added})" if added else ")")
         )
     else:

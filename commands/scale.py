@@ -8,7 +8,6 @@ Prints the controller's answer as one JSON line.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -47,7 +46,7 @@ def main(argv: list[str]) -> int:
     except ray.exceptions.RayTaskError as err:  # e.g. new workers that cannot be placed
         print(f"treegrpo: error: cannot scale {run}: {err.cause}")
         return 2
-    print(json.dumps(result))
+    print(result.to_json())
     return 0
 
 

@@ -109,13 +109,13 @@ def test_scaling_the_rollout_pool_loses_and_duplicates_no_group(job_cfg):
     job = RunningJob(cfg)
 
     grown = job.call("scale", 2)
-    assert grown["rollout_workers"] == 2
+    assert grown.rollout_workers == 2
     # the new worker loads the newest policy when it is added; the job, already training, may
     # publish another version while the worker is placed, before the reply (as in test_jobs)
-    assert grown["added_versions"] and max(grown["added_versions"]) <= grown["policy_version"]
+    assert grown.added_versions and max(grown.added_versions) <= grown.policy_version
     job.call("wait_records", after_step=1, timeout=600)
     shrunk = job.call("scale", 1)
-    assert shrunk["rollout_workers"] == 1
+    assert shrunk.rollout_workers == 1
 
     summary = job.finish()
     _assert_each_group_once(cfg, summary)

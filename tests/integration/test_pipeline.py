@@ -28,6 +28,8 @@ from treegrpo_ray.saved_trees import read_saved_trees
 from treegrpo_ray.tooling.inspector import load_steps
 
 pytestmark = pytest.mark.ray
+
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 # A stopped run's Ray processes exit while it shuts Ray down; this bounds a wait for stragglers.
 STOPPED_PROCESS_WAIT_S = 120
 
@@ -216,13 +218,20 @@ def test_a_run_alongside_another_training_gives_the_same_records(
     other.assert_stopped_cleanly()
 
 
-def test_sigterm_stops_a_local_run_as_ctrl_c_does(tiny_cfg, tiny_policy, tmp_path, follow_records):
-    """``kill`` (SIGTERM) on a training that started its own Ray: the run says what it kept and
-    exits through its cleanup (not killed by Ray's handler, which left the session's workers
-    running), and no process of its Ray instance is left."""
+def test_a_local_run_listens_on_loopback_only_and_sigterm_stops_it_as_ctrl_c_does(
+    tiny_cfg, tiny_policy, tmp_path, follow_records
+):
+    """A training that started its own Ray, while it trains: every socket its processes listen
+    on (the driver, Ray's daemons and agents, the rollout and learner workers) is bound to the
+    loopback interface. Then ``kill`` (SIGTERM): the run says what it kept and exits through its
+    cleanup (not killed by Ray's handler, which left the session's workers running), and no
+    process of its Ray instance is left."""
     run = OwnRayRun(tiny_cfg, tmp_path)
     try:
         run.wait_for_first_step(follow_records)
+        listening = run.listening_addresses()
+        assert len(listening) >= 4, listening  # GCS, raylet, a worker, the dashboard at least
+        assert all(ip in LOOPBACK for ip, _, _ in listening), listening
     finally:
         run.stop(signal.SIGTERM)
     run.assert_stopped_cleanly()
@@ -260,6 +269,17 @@ class OwnRayRun:
         assert first is not None, self.process.stderr.read()  # it exited before its first step
         self.ray_processes = _processes_naming(self.ray_dir)
         assert self.ray_processes  # the check after the stop looks where its Ray runs
+
+    def listening_addresses(self) -> list[tuple[str, int, str]]:
+        """(address, port, process name) of every socket the run and its descendants listen on."""
+        root = psutil.Process(self.process.pid)
+        found = []
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for conn in process.net_connections(kind="inet"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        found.append((conn.laddr.ip, conn.laddr.port, process.name()))
+        return found
 
     def stop(self, sig: signal.Signals) -> None:
         self.process.send_signal(sig)

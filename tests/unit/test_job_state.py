@@ -14,6 +14,7 @@ from treegrpo_ray.cluster.job_state import (
     Enqueue,
     JobState,
     Probe,
+    ScaleResult,
     SendPolicy,
     StartLease,
     StartWorker,
@@ -198,3 +199,12 @@ def test_the_job_state_imports_no_ray():
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_scale_answer_travels_as_one_json_line():
+    answer = ScaleResult(rollout_workers=2, policy_version=5, added_versions=[4])
+    assert ScaleResult.from_json(answer.to_json()) == answer
+    with pytest.raises(ValueError, match="not a scale answer: 'Traceback"):
+        ScaleResult.from_json("Traceback (most recent call last):")
+    with pytest.raises(ValueError, match="not a scale answer"):
+        ScaleResult.from_json('{"rollout_workers": 2}')
