@@ -104,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
             "peer", help="our engine and learner beside TRL's GRPOTrainer (extra: peer)"
         )
     )
+    from treegrpo_ray.experiments import peer_agent
+
+    peer_agent.add_arguments(
+        bench.add_parser(
+            "peer-agent",
+            help="TRL driving our Search-R1 environment against our chain and tree (extra: peer)",
+        )
+    )
     from treegrpo_ray.experiments import profile_bench
 
     profile_bench.add_arguments(
@@ -123,6 +131,10 @@ def _run(args: argparse.Namespace) -> int:
             from treegrpo_ray.experiments.peer_bench import run_from_args as run_peer
 
             return run_peer(args)
+        if args.suite == "peer-agent":
+            from treegrpo_ray.experiments.peer_agent import run_from_args as run_peer_agent
+
+            return run_peer_agent(args)
         if args.suite == "profile":
             from treegrpo_ray.experiments.profile_bench import run_from_args as run_profile
 

@@ -246,10 +246,21 @@ class _StepClock:
         self.reference.append(self._no_grad)
 
 
-def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) -> Any:
+def trl_trainer(
+    cfg: JobConfig,
+    model_path: str,
+    s: PeerSettings,
+    workdir: str,
+    rollout: Callable[[list[str], Any], dict[str, Any]],
+    reward: Callable[..., list[float | None]],
+    dataset: list[str],
+    steps_per_train: int = 1,
+) -> Any:
     """A ``GRPOTrainer`` on the policy at ``model_path`` with the preset's LoRA, sampling, KL and
-    learning rate; its rollouts are whatever ``trainer.peer_sequences`` holds (prompt ids and
-    completions, prompt-major), rewarded with the stand-in."""
+    learning rate, ``s.group`` generations per prompt and ``s.prompts`` prompts per step, whose
+    rollouts and rewards are ``rollout`` and ``reward`` (TRL's ``rollout_func`` and reward
+    function) on the prompts ``dataset``, taken in order. ``train()`` takes ``steps_per_train``
+    optimizer steps."""
     import torch
 
     from treegrpo_ray.errors import UserInputError
@@ -293,29 +304,13 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
         seed=cfg.train.seed,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        shuffle_dataset=False,
     )
-
-    def rollout(prompts: list[str], trainer: Any) -> dict[str, list]:
-        ids, generated = trainer.peer_sequences
-        completions, logprobs = generated.completions, generated.logprobs
-        order = [int(p) for p in prompts]  # the dataset's prompts are the indices of ``ids``
-        seen: dict[int, int] = {}
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for g in order:
-            k, seen[g] = seen.get(g, 0), seen.get(g, 0) + 1
-            out["prompt_ids"].append(ids[g])
-            out["completion_ids"].append(completions[g * s.group + k])
-            out["logprobs"].append(logprobs[g * s.group + k])
-        return out
-
-    def reward(completion_ids: list[list[int]], **_: Any) -> list[float | None]:
-        return [stand_in_reward(c) for c in completion_ids]
-
     trainer: Any = GRPOTrainer(  # it carries the sequences and the clock (peer_*)
         model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": [str(i) for i in range(s.prompts)]}),
+        train_dataset=Dataset.from_dict({"prompt": dataset}),
         processing_class=tokenizer,
         peft_config=LoraConfig(
             r=lora.rank,
@@ -334,7 +329,7 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             clock.end()
-            control.should_training_stop = True  # one optimizer step per train()
+            control.should_training_stop = state.global_step >= steps_per_train
             return control
 
     trainer.add_callback(Clock())
@@ -342,6 +337,29 @@ def trl_trainer(cfg: JobConfig, model_path: str, s: PeerSettings, workdir: str) 
         trainer.remove_callback(quiet)
     trainer.peer_clock = clock
     return trainer
+
+
+def given_sequences(s: PeerSettings) -> Callable[[list[str], Any], dict[str, list]]:
+    """TRL's ``rollout_func`` returning the sequences in ``trainer.peer_sequences`` (prompt ids
+    and completions, prompt-major): the dataset's prompts are the indices of the prompt ids."""
+
+    def rollout(prompts: list[str], trainer: Any) -> dict[str, list]:
+        ids, generated = trainer.peer_sequences
+        completions, logprobs = generated.completions, generated.logprobs
+        seen: dict[int, int] = {}
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for g in (int(p) for p in prompts):
+            k, seen[g] = seen.get(g, 0), seen.get(g, 0) + 1
+            out["prompt_ids"].append(ids[g])
+            out["completion_ids"].append(completions[g * s.group + k])
+            out["logprobs"].append(logprobs[g * s.group + k])
+        return out
+
+    return rollout
+
+
+def stand_in_rewards(completion_ids: list[list[int]], **_: Any) -> list[float | None]:
+    return [stand_in_reward(c) for c in completion_ids]
 
 
 def trl_learner_step(trainer: Any, prompts: list[list[int]], generated: Generated) -> Learned:
@@ -382,7 +400,8 @@ def run_peer(
     w = workload(cfg, worker.tokenizer, s.prompts)
     report = PeerReport(s, versions(), roofline())
     with tempfile.TemporaryDirectory() as workdir:
-        trainer = trl_trainer(cfg, path, s, workdir)
+        indices = [str(i) for i in range(s.prompts)]
+        trainer = trl_trainer(cfg, path, s, workdir, given_sequences(s), stand_in_rewards, indices)
         for name, prompts in (("short", w.short), ("long", w.long)):
             report.generation[name] = _generations(trainer, worker, prompts, s, w, cfg, progress)
         shared = our_generation(worker, w.long, s, w, cfg.sampling.temperature, seed=7)
