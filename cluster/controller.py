@@ -54,7 +54,7 @@ from treegrpo_ray.cluster.job_state import (
 from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
-from treegrpo_ray.cluster.rollout_pool import RolloutPool, lost_worker, wait_for_placement
+from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement, worker_death
 from treegrpo_ray.config import JobConfig
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.learners.loop import LearnerPlace
@@ -226,7 +226,7 @@ class Controller:
             if error is None:
                 self.state.probe_answered(worker_id)
             else:
-                self._execute(self.state.worker_lost(worker_id, *lost_worker(worker_id, error)))
+                self._execute(self.state.worker_lost(worker_id, worker_death(worker_id, error)))
 
     def _ready_receipts(self) -> list[ray.ObjectRef]:
         with self.lock:
@@ -252,9 +252,8 @@ class Controller:
                 if isinstance(receipt, LeaseReceipt):
                     self._execute(self.state.lease_done(ticket, receipt))
                 else:
-                    worker_id = self.state.in_flight[ticket].worker_id
-                    lost = lost_worker(worker_id, receipt)
-                    self._execute(self.state.lease_lost(ticket, *lost))
+                    death = worker_death(self.state.in_flight[ticket].worker_id, receipt)
+                    self._execute(self.state.lease_lost(ticket, death))
                     self.batches.pop(ticket, None)
                 batches, self.outbox = self.outbox, []
             for trees in batches:

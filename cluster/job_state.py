@@ -46,6 +46,16 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class WorkerDeath:
+    """How a rollout worker died: whether Ray restarts it (a fresh instance on the initial
+    policy), a one-line reason, and whether Ray's memory monitor killed it."""
+
+    restarting: bool
+    reason: str
+    memory_kill: bool = False
+
+
+@dataclass(frozen=True)
 class ScaleResult:
     """The answer to a scale request: the active workers, the newest policy version, and the
     versions the added workers loaded (each at most the newest: a version may be published
@@ -214,19 +224,15 @@ class JobState:
         if worker_id in self.workers:
             self.workers[worker_id].answering = True
 
-    def worker_lost(
-        self, worker_id: int, restarting: bool, reason: str, memory_kill: bool = False
-    ) -> list[Command]:
-        """A worker died (``memory_kill``: Ray's memory monitor killed it). ``restarting``: Ray
-        brings it back as a fresh instance on the initial policy, which takes no lease until a
-        probe answers and is synced first; otherwise it leaves the pool. Raises RuntimeError
-        when no worker is left."""
+    def worker_lost(self, worker_id: int, death: WorkerDeath) -> list[Command]:
+        """A worker died. One that Ray restarts takes no lease until a probe answers and is
+        synced first; otherwise it leaves the pool. Raises RuntimeError when none is left."""
         self.counters.failures += 1
-        self.counters.memory_kills += int(memory_kill)
-        self.counters.last_failure = reason
+        self.counters.memory_kills += int(death.memory_kill)
+        self.counters.last_failure = death.reason
         if worker_id not in self.workers:
             return []
-        if restarting:
+        if death.restarting:
             worker = self.workers[worker_id]
             worker.version, worker.answering = UNKNOWN, False
             return [Probe(worker_id)]
@@ -234,7 +240,7 @@ class JobState:
         if not self.workers:
             raise RuntimeError(
                 "every rollout worker died and cannot be restarted (cluster.rollout_max_restarts "
-                f"= {self.max_restarts}); the last: {reason}"
+                f"= {self.max_restarts}); the last: {death.reason}"
             )
         return [command]
 
@@ -284,9 +290,7 @@ class JobState:
         self.counters.peak_rss_bytes = max(self.counters.peak_rss_bytes, receipt.peak_rss_bytes)
         return [Enqueue(ticket), *self._retire_idle()]
 
-    def lease_lost(
-        self, ticket: int, restarting: bool, reason: str, memory_kill: bool = False
-    ) -> list[Command]:
+    def lease_lost(self, ticket: int, death: WorkerDeath) -> list[Command]:
         """The worker running lease ``ticket`` died: the lease goes back to the front of the
         backlog (``worker_lost`` says what becomes of the worker; a retiring one is stopped)."""
         item = self.in_flight.pop(ticket, None)
@@ -294,7 +298,7 @@ class JobState:
             return []
         self.backlog.appendleft(item.lease)
         return [
-            *self.worker_lost(item.worker_id, restarting, reason, memory_kill),
+            *self.worker_lost(item.worker_id, death),
             *self._retire_idle(),
         ]
 

@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.cluster.engines import vllm_actor_options
+from treegrpo_ray.cluster.job_state import WorkerDeath
 from treegrpo_ray.cluster.memory_kills import short_failure
 from treegrpo_ray.config import JobConfig
 from treegrpo_ray.modeling import PromptFormat
@@ -171,13 +172,13 @@ class RolloutPool:
             self.stop(worker_id)
 
 
-def lost_worker(worker_id: int, error: Exception) -> tuple[bool, bool, str]:
-    """How a worker died, from the error its call raised: whether Ray restarts it
-    (``ActorUnavailableError``, or ``OutOfMemoryError``: Ray's memory monitor killed it, and a
-    restart follows if restarts are left; ``ActorDiedError``: gone for good), whether the memory
-    monitor killed it, and a one-line reason."""
+def worker_death(worker_id: int, error: Exception) -> WorkerDeath:
+    """How a worker died, from the error its call raised: Ray restarts it after
+    ``ActorUnavailableError`` or ``OutOfMemoryError`` (its memory monitor killed it; a restart
+    follows if restarts are left); ``ActorDiedError``: gone for good."""
     reason = short_failure(str(error)).splitlines()[-1]
     memory_kill = isinstance(error, OutOfMemoryError)
     if memory_kill:
         logger.warning("rollout worker %d: %s", worker_id, reason)
-    return isinstance(error, (ActorUnavailableError, OutOfMemoryError)), memory_kill, reason
+    restarting = isinstance(error, (ActorUnavailableError, OutOfMemoryError))
+    return WorkerDeath(restarting, reason, memory_kill)

@@ -19,6 +19,7 @@ from treegrpo_ray.cluster.job_state import (
     StartLease,
     StartWorker,
     StopWorker,
+    WorkerDeath,
 )
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.tree import BatchInfo
@@ -83,7 +84,7 @@ def test_a_worker_killed_mid_lease_loses_no_group_and_takes_no_lease_until_it_an
     state = job(workers=2)
     leases = started(state.next_leases())
     lost_ticket, kept_ticket = sorted(leases)
-    commands = state.lease_lost(lost_ticket, restarting=True, reason="killed", memory_kill=True)
+    commands = state.lease_lost(lost_ticket, WorkerDeath(True, "killed", memory_kill=True))
     assert commands == [Probe(0)]
     assert state.counters.failures == 1 and state.counters.memory_kills == 1
     assert state.next_leases() == []  # worker 1 busy, worker 0 restarting
@@ -105,7 +106,7 @@ def test_a_restarted_worker_is_brought_to_the_newest_policy_before_its_lease():
     state.next_step = 1
     leases = started(state.next_leases())
     (ticket,) = leases
-    assert state.lease_lost(ticket, restarting=True, reason="killed") == [Probe(0)]
+    assert state.lease_lost(ticket, WorkerDeath(True, "killed")) == [Probe(0)]
     state.probe_answered(0)
     commands = state.next_leases()
     assert commands[0] == SendPolicy(0, 1)  # the fresh instance was on the initial policy
@@ -115,10 +116,10 @@ def test_a_restarted_worker_is_brought_to_the_newest_policy_before_its_lease():
 def test_a_worker_gone_for_good_leaves_and_the_last_one_stops_the_job():
     state = job(workers=2)
     leases = sorted(started(state.next_leases()))
-    assert state.lease_lost(leases[0], restarting=False, reason="died") == [StopWorker(0)]
+    assert state.lease_lost(leases[0], WorkerDeath(False, "died")) == [StopWorker(0)]
     assert state.active() == [1]
     with pytest.raises(RuntimeError, match=r"rollout_max_restarts = 2\); the last: died again"):
-        state.lease_lost(leases[1], restarting=False, reason="died again")
+        state.lease_lost(leases[1], WorkerDeath(False, "died again"))
 
 
 def test_scaling_1_to_2_to_1_during_an_evaluation_stops_the_worker_only_when_it_ends():
@@ -208,3 +209,22 @@ def test_a_scale_answer_travels_as_one_json_line():
         ScaleResult.from_json("Traceback (most recent call last):")
     with pytest.raises(ValueError, match="not a scale answer"):
         ScaleResult.from_json('{"rollout_workers": 2}')
+
+
+def test_a_restarting_worker_whose_probe_finds_it_dead_leaves_the_pool():
+    state = job(workers=2)
+    (ticket, _), *_ = started(state.next_leases()).items()
+    assert state.lease_lost(ticket, WorkerDeath(True, "killed")) == [Probe(0)]
+    assert state.worker_lost(0, WorkerDeath(False, "restarts used up")) == [StopWorker(0)]
+    assert state.counters.failures == 2 and state.counters.last_failure == "restarts used up"
+    assert state.active() == [1]
+
+
+def test_a_retiring_worker_that_dies_mid_lease_is_stopped_and_its_lease_reissued():
+    state = job(workers=2)
+    leases = started(state.next_leases())
+    state.shrink_to(1)
+    ticket = next(t for t, c in leases.items() if c.worker_id == 1)
+    assert state.lease_lost(ticket, WorkerDeath(True, "killed")) == [Probe(1), StopWorker(1)]
+    assert list(state.workers) == [0]
+    assert state.backlog[0] == leases[ticket].lease
