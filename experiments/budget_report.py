@@ -276,7 +276,9 @@ def markdown(result: dict[str, Any], seconds: float) -> str:
         "",
         f"Preset `{s['preset']}`, {s['steps']} updates of {s['prompts_per_step']} prompts per run, "
         f"held-out EM on {s['eval_questions']} questions (greedy; sampled x{s['eval_samples']} "
-        f"at the end), mean ± 95% CI over seeds; suite wall time {seconds / 60:.1f} min.",
+        f"at the end), mean ± 95% CI over seeds; suite wall time {seconds / 60:.1f} min"
+        + _run_hours(result)
+        + ".",
     ]
     head = result["headline"]
     if head is not None:
@@ -317,6 +319,16 @@ def markdown(result: dict[str, Any], seconds: float) -> str:
     for name, value in result["targets"].items():
         lines.append(f"| {name} | {_target_cells(value)} |")
     return "\n".join(lines) + "\n"
+
+
+def _run_hours(result: dict[str, Any]) -> str:
+    """The runs' own wall times, summed: a resumed suite's wall time counts only its last part."""
+    hours = result.get("run_hours")
+    return (
+        ""
+        if hours is None
+        else f" (this invocation; the runs' own wall times sum to {hours:.2f} h)"
+    )
 
 
 def _pairs_table(pairs: dict[str, Any]) -> list[str]:
@@ -439,6 +451,8 @@ def write_report(
     the share of prompts with reward variance); returns the result plus a one-line ``line``."""
     result = aggregate(records, settings)
     result["seconds"] = seconds
+    if all("wall_seconds" in r for r in records):
+        result["run_hours"] = sum(r["wall_seconds"] for r in records) / 3600
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text(markdown(result, seconds))
     plot(result, out / "budget_efficiency.png")

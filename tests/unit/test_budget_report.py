@@ -115,3 +115,12 @@ def test_matched_on_tokens_and_on_compute_with_sampled_em_only_at_the_ends():
     assert pair["compute"]["greedy_em"]["mean"] == pytest.approx(0.1)
     assert pair["compute"]["sampled_em"]["mean"] == pytest.approx(0.1)
     assert "equal compute" in markdown(result, 60.0)
+
+
+def test_the_report_gives_the_runs_own_wall_time_beside_a_resumed_suites(result):
+    assert "suite wall time 1.0 min." in markdown(result, seconds=60.0)
+    resumed = markdown({**result, "run_hours": 6.5}, seconds=60.0)
+    assert (
+        "suite wall time 1.0 min (this invocation; the runs' own wall times sum to 6.50 h)"
+        in resumed
+    )
