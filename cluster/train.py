@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.backend import Backend
 from ray.train.torch import TorchConfig, TorchTrainer
 from tqdm import tqdm
 
@@ -233,6 +234,27 @@ def resume_step(cfg: JobConfig) -> int:
     return step
 
 
+class _NoProcessGroup(TorchConfig):
+    """One learner rank on CPU: Ray Train starts no torch.distributed process group (the learner
+    runs without one). So torch's rendezvous store, which listens on every interface (torch offers
+    no bind address), is not started either, and a local run listens on loopback only."""
+
+    @property
+    def backend_cls(self) -> type[Backend]:
+        return Backend
+
+
+def _learner_backend(cfg: JobConfig) -> TorchConfig | None:
+    """Ray Train's backend for the learner group (None: ``TorchTrainer``'s default, which picks
+    NCCL for GPU ranks and gloo for CPU ones)."""
+    cluster = cfg.cluster
+    if cluster.simulated_gpus:  # simulated GPUs have no NCCL: the ranks talk over gloo
+        return TorchConfig(backend="gloo")
+    if cluster.learner_workers == 1 and not cluster.learner_gpus:
+        return _NoProcessGroup()
+    return None
+
+
 def _learner_scaling(cfg: JobConfig) -> ScalingConfig:
     """The learner group: ``learner_workers`` ranks, each with its CPUs, GPUs and resources."""
     cluster = cfg.cluster
@@ -291,8 +313,7 @@ def train(
             train_loop_per_worker,
             train_loop_config={"cfg": cfg, "controller": controller, "model_path": model_path},
             scaling_config=_learner_scaling(cfg),
-            # simulated GPUs have no NCCL: the ranks talk over gloo, as on CPU nodes
-            torch_config=TorchConfig(backend="gloo") if cfg.cluster.simulated_gpus else None,
+            torch_config=_learner_backend(cfg),
             # Ray Train v2's RunConfig (worker_runtime_env); mypy resolves ray.train's v1 one
             run_config=RunConfig(  # type: ignore[call-arg]
                 name=cfg.name,
