@@ -9,9 +9,10 @@ with the same tree-search seeds.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from treegrpo_ray.config import TaskConfig
+from treegrpo_ray.config import JobConfig, TaskConfig
 from treegrpo_ray.envs.base import Sample, Task
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.envs.search_qa import SearchQATask
@@ -56,6 +57,20 @@ def training_order(num_samples: int, seed: int) -> list[int]:
     order = list(range(num_samples))
     random.Random(seed).shuffle(order)
     return order
+
+
+def leases_of_step(cfg: JobConfig, samples: list[Sample]) -> Callable[[int], list[Lease]]:
+    """The run's schedule: a step's leases, a function of the step and the run's seed only (the
+    Ray job's controller and the in-process run both lease from it)."""
+    train = cfg.train
+    order = training_order(len(samples), train.seed)
+
+    def leases(step: int) -> list[Lease]:
+        return step_leases(
+            samples, order, step, train.prompts_per_step, cfg.lease_size(), train.seed
+        )
+
+    return leases
 
 
 def step_leases(

@@ -20,7 +20,7 @@ import json
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,14 +28,7 @@ import ray
 from ray.exceptions import OutOfMemoryError, RayActorError
 from ray.util.queue import Full
 
-from treegrpo_ray.actors.schedule import (
-    Lease,
-    LeaseReceipt,
-    eval_seed,
-    load_task,
-    step_leases,
-    training_order,
-)
+from treegrpo_ray.actors.schedule import LeaseReceipt, eval_seed, leases_of_step, load_task
 from treegrpo_ray.actors.tree_queue import TreeQueue
 from treegrpo_ray.cluster.evaluation import Evaluator, Measurement, Snapshot
 from treegrpo_ray.cluster.job_state import (
@@ -56,7 +49,6 @@ from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement, worker_death
 from treegrpo_ray.config import JobConfig
-from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.learners.loop import LearnerPlace
 
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
@@ -79,19 +71,6 @@ class Progress:
     records: list[dict[str, Any]]
     evaluations_pending: bool
     failure: Failure | None
-
-
-def leases_of_step(cfg: JobConfig, samples: list[Sample]) -> Callable[[int], list[Lease]]:
-    """The run's schedule: a step's leases, a function of the step and the run's seed only."""
-    train = cfg.train
-    order = training_order(len(samples), train.seed)
-
-    def leases(step: int) -> list[Lease]:
-        return step_leases(
-            samples, order, step, train.prompts_per_step, cfg.lease_size(), train.seed
-        )
-
-    return leases
 
 
 class Controller:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
-from treegrpo_ray.actors.schedule import eval_seed, load_task, step_leases, training_order
+from treegrpo_ray.actors.schedule import eval_seed, leases_of_step, load_task
 from treegrpo_ray.config import JobConfig
 from treegrpo_ray.learners.intake import pull_batch
 from treegrpo_ray.learners.learner import Learner
@@ -42,7 +42,7 @@ class LocalRun:
         self.cfg = cfg
         task = load_task(cfg.task)
         self.train_samples, self.heldout = task.train_samples(), task.heldout_samples()
-        self.order = training_order(len(self.train_samples), cfg.train.seed)
+        self.leases_of_step = leases_of_step(cfg, self.train_samples)
         self.worker = RolloutWorker.from_config(cfg, model_path)
         self.learner = Learner.from_config(cfg, model_path)
         self.train_seconds = 0.0
@@ -65,14 +65,7 @@ class LocalRun:
         """The ``TreeSource`` of this run: its worker expands the step's leases in turn."""
         train = self.cfg.train
         batches: queue.Queue[Any] = queue.Queue()
-        for lease in step_leases(
-            self.train_samples,
-            self.order,
-            version,
-            train.prompts_per_step,
-            self.cfg.lease_size(),
-            train.seed,
-        ):
+        for lease in self.leases_of_step(version):
             batches.put(self.worker.expand(lease))
         return pull_batch(batches, train.prompts_per_step, version, 0)
 

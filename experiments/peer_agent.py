@@ -215,7 +215,7 @@ def run_agent(s: AgentSettings, out: Path | None = None, progress: Any = print) 
     """Every arm's updates (module docstring); written to ``out`` (JSON and a table)."""
     import torch
 
-    from treegrpo_ray.actors.schedule import load_task, step_leases, training_order
+    from treegrpo_ray.actors.schedule import leases_of_step, load_task
     from treegrpo_ray.cluster.local_run import LocalRun
     from treegrpo_ray.config import load_config
     from treegrpo_ray.experiments.peer_bench import (
@@ -234,14 +234,9 @@ def run_agent(s: AgentSettings, out: Path | None = None, progress: Any = print) 
     torch.set_num_threads(chain.cluster.torch_threads)
     path = str(resolve_model_path(chain, progress=False))
     samples = load_task(chain.task).train_samples()
-    order = training_order(len(samples), chain.train.seed)
-    schedule = [  # each update's questions, as LocalRun leases them
-        [
-            sample
-            for lease in step_leases(samples, order, u, s.prompts, s.prompts, 0)
-            for _, sample in lease.groups
-        ]
-        for u in range(s.updates)
+    leases = leases_of_step(chain, samples)  # each update's questions, as LocalRun leases them
+    schedule = [
+        [sample for lease in leases(u) for _, sample in lease.groups] for u in range(s.updates)
     ]
     report = AgentReport(s, versions(), roofline(), [[q.uid for q in step] for step in schedule])
     runs = {"ours-chain": LocalRun(chain, path), "ours-tree": LocalRun(tree, path)}
@@ -308,11 +303,9 @@ def _line(u: Update) -> str:
     )
 
 
-def _median(rows: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
 def table(report: AgentReport) -> str:
+    from treegrpo_ray.experiments.peer_bench import median_of
+
     """Each arm's medians over its updates as a Markdown table; the last column: how many times
     faster an update is than TRL's."""
     lines = [
@@ -320,11 +313,11 @@ def table(report: AgentReport) -> str:
         "| mean reward | questions with reward variance | update vs TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    trl = _median(report.updates["trl-chain"], "seconds")
+    trl = median_of(report.updates["trl-chain"], "seconds")
     for arm in ARMS:
         rows = report.updates[arm]
-        seconds, rollout = _median(rows, "seconds"), _median(rows, "rollout_seconds")
-        tokens = _median(rows, "generated_tokens")
+        seconds, rollout = median_of(rows, "seconds"), median_of(rows, "rollout_seconds")
+        tokens = median_of(rows, "generated_tokens")
         rewards = statistics.fmean(r["reward_mean"] for r in rows)
         variance = statistics.fmean(r["groups_with_variance"] for r in rows)
         lines.append(

@@ -509,7 +509,7 @@ def roofline() -> dict[str, float]:
     }
 
 
-def _median(rows: list[dict[str, float]], key: str) -> float:
+def median_of(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
@@ -517,18 +517,18 @@ def table(report: PeerReport) -> str:
     """The report's medians as a Markdown table, ours / TRL as the last column."""
     lines = ["| measurement | TRL | ours | ours / TRL |", "|---|---|---|---|"]
     for name, runs in report.generation.items():
-        trl, ours = (_median(runs[k], "tokens_per_s") for k in ("trl", "ours"))
+        trl, ours = (median_of(runs[k], "tokens_per_s") for k in ("trl", "ours"))
         lines.append(
             f"| generation, {name} prompts, tokens/s | {trl:.1f} | {ours:.1f} | {ours / trl:.2f}x |"
         )
-        trl_p, ours_p = (_median(runs[k], "prefill_tokens") for k in ("trl", "ours"))
+        trl_p, ours_p = (median_of(runs[k], "prefill_tokens") for k in ("trl", "ours"))
         lines.append(
             f"| generation, {name} prompts, prefill tokens computed | {trl_p:.0f} | "
             f"{ours_p:.0f} | {ours_p / trl_p:.2f}x |"
         )
     trl_l, ours_l = report.learner["trl"], report.learner["ours"]
     paths = trl_l[0]["path_tokens"]
-    trl_s, ours_s = _median(trl_l, "seconds"), _median(ours_l, "seconds")
+    trl_s, ours_s = median_of(trl_l, "seconds"), median_of(ours_l, "seconds")
     lines.append(
         f"| learner step, seconds | {trl_s:.2f} | {ours_s:.2f} | {trl_s / ours_s:.2f}x faster |"
     )
@@ -536,7 +536,7 @@ def table(report: PeerReport) -> str:
         f"| learner, path tokens/s ({paths} path tokens) | {paths / trl_s:.0f} | "
         f"{paths / ours_s:.0f} | {trl_s / ours_s:.2f}x |"
     )
-    trl_r, ours_r = _median(trl_l, "reference_seconds"), _median(ours_l, "reference_seconds")
+    trl_r, ours_r = median_of(trl_l, "reference_seconds"), median_of(ours_l, "reference_seconds")
     lines.append(
         f"| reference pass, seconds | {trl_r:.2f} | {ours_r:.2f} | "
         f"{trl_r / max(ours_r, 1e-9):.2f}x faster |"

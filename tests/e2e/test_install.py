@@ -22,6 +22,7 @@ import venv
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 pytestmark = pytest.mark.ray
@@ -29,13 +30,11 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "cluster" / "deploy"
 IMAGE_WORKDIR = "/home/ray/treegrpo-ray"  # the Dockerfile's WORKDIR
+# the checkout's top-level folders that must not install under their own (generic) names
 GENERIC_NAMES = (
-    "actors",
-    "learners",
-    "cluster",
-    "commands",
-    "experiments",
-    "tooling",
+    *tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values(),
     "benchmarks",
 )
 

@@ -7,8 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
+# the core and every folder pyproject installs beside it (actors/, learners/, cluster/, ...)
+PACKAGE_FOLDERS = [
+    "treegrpo_ray",
+    *tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values(),
+]
 
 
 @pytest.mark.parametrize(
@@ -18,16 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ["ruff", "format", "--check", "."],
         # a minute or two without its cache (a fresh clone): the slow tier
         pytest.param(
-            [
-                "mypy",
-                "treegrpo_ray",
-                "actors",
-                "learners",
-                "cluster",
-                "commands",
-                "experiments",
-                "tooling",
-            ],
+            ["mypy", *PACKAGE_FOLDERS],
             marks=pytest.mark.slow,
         ),
     ],
