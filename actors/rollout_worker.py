@@ -23,6 +23,7 @@ from treegrpo_ray.budget import Budget
 from treegrpo_ray.config import EngineConfig, JobConfig, SamplingConfig, TaskConfig, TreeConfig
 from treegrpo_ray.engine import (
     Engine,
+    EngineCounters,
     GenerationRequest,
     GenerationResult,
     LoraPayload,
@@ -151,7 +152,7 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.version
 
-    def cache_stats(self) -> dict[str, float]:
+    def cache_stats(self) -> EngineCounters:
         """The engine's prefill / prefix-cache counters since start."""
         return self.engine.cache_stats()
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from treegrpo_ray.config import JobConfig, TaskConfig
+from treegrpo_ray.engine import EngineCounters
 from treegrpo_ray.envs.base import Sample, Task
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.envs.search_qa import SearchQATask
@@ -36,7 +37,7 @@ class LeaseReceipt:
     peak resident memory (``metrics.peak_rss_bytes``)."""
 
     info: BatchInfo
-    cache: dict[str, float]
+    cache: EngineCounters
     peak_rss_bytes: int = 0
 
 

@@ -37,8 +37,10 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,7 @@ from treegrpo_ray.config import (
     VLLMConfig,
     load_config,
 )
-from treegrpo_ray.engine import GenerationRequest, SamplingParams
+from treegrpo_ray.engine import EngineCounters, GenerationRequest, SamplingParams
 from treegrpo_ray.envs.multihop import MultihopConfig, MultihopTask
 from treegrpo_ray.learners.warmstart import warm_start
 from treegrpo_ray.modeling import build_tiny_model, load_policy, load_tokenizer
@@ -121,10 +123,26 @@ class ArmHost:
         self.engine = self.worker.engine
         return self._warm_up(time.perf_counter() - start)
 
-    def start_engine(self, model_dir: str, engine: EngineConfig) -> dict[str, float]:
+    def start_from_config(self, cfg: JobConfig, policy: str) -> dict[str, float]:
+        """A rollout worker as a job of ``cfg`` builds it (engine, prompt format, retrieval)."""
         start = time.perf_counter()
-        self.engine = make_engine(model_dir, engine, seed=0)
+        self.worker = RolloutWorker.from_config(cfg, policy)
+        self.engine = self.worker.engine
         return self._warm_up(time.perf_counter() - start)
+
+    def start_engine(
+        self, model_dir: str, engine: EngineConfig, lora: bool = False
+    ) -> dict[str, float]:
+        """A bare engine on ``model_dir`` (``lora``: it will be sent adapters), warmed up."""
+        start = time.perf_counter()
+        self.engine = make_engine(model_dir, engine, seed=0, lora=lora)
+        return self._warm_up(time.perf_counter() - start)
+
+    def load_weights(self, version: int, payload: Any) -> float:
+        """Hand the engine a policy (as an update does); returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.load_weights(version, payload)
+        return time.perf_counter() - start
 
     def _warm_up(self, start_s: float) -> dict[str, float]:
         """One call of 4 requests of 40 tokens (one full vLLM block) off the workload's prefixes."""
@@ -162,22 +180,19 @@ class ArmHost:
 
 
 def measures(
-    seconds: float, generated: int, before: dict[str, float], after: dict[str, float]
+    seconds: float, generated: int, before: EngineCounters, after: EngineCounters
 ) -> dict[str, float]:
     """One arm's rollout: wall seconds, tokens, and the engine's counter deltas. vLLM's
     ``resume_prefill_tokens`` (prompts re-run after an unconfirmed stop string) count as prefill."""
-
-    def delta(key: str) -> float:
-        return after.get(key, 0) - before.get(key, 0)
-
+    counted = after.since(before)
     return {
         "seconds": seconds,
         "generated_tokens": generated,
         "tokens_per_s": generated / seconds,
-        "prefill_tokens": delta("prefill_tokens") + delta("resume_prefill_tokens"),
-        "cached_tokens": delta("cached_tokens"),
-        "requests": delta("lookups"),
-        "resumed_segments": delta("resumed_segments"),
+        "prefill_tokens": counted.prefill_tokens + counted.resume_prefill_tokens,
+        "cached_tokens": counted.cached_tokens,
+        "requests": counted.lookups,
+        "resumed_segments": counted.resumed_segments,
     }
 
 
@@ -287,17 +302,20 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_hosts(threads: int) -> tuple[dict[str, Any], dict[str, float]]:
-    """One ``ArmHost`` actor per engine, each with ``threads`` torch threads; returns them and the
-    seconds each took to import its engine."""
+def start_hosts(
+    threads: int, arms: Sequence[str] = ARMS, kinds: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """One ``ArmHost`` actor per arm, each with ``threads`` torch threads; returns them and the
+    seconds each took to import its engine (``kinds``: an arm's engine kind, default its name)."""
     init_local_ray(
         num_cpus=threads, include_dashboard=False, logging_level="WARNING", log_to_driver=False
     )
-    ray.cloudpickle.register_pickle_by_value(rollout_prefix_cache)  # workers cannot import it
+    for script in (rollout_prefix_cache, sys.modules[ArmHost.__module__]):
+        ray.cloudpickle.register_pickle_by_value(script)  # workers cannot import the scripts
     env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
     remote = ray.remote(ArmHost).options(num_cpus=0, runtime_env={"env_vars": env})
-    hosts = {arm: remote.remote(threads) for arm in ARMS}
-    imports = {arm: ray.get(hosts[arm].prepare.remote(arm)) for arm in ARMS}
+    hosts = {arm: remote.remote(threads) for arm in arms}
+    imports = {arm: ray.get(hosts[arm].prepare.remote((kinds or {}).get(arm, arm))) for arm in arms}
     return hosts, imports
 
 

@@ -340,9 +340,9 @@ class Controller:
             "rollout/worker_failures": float(counters.failures),
             "rollout/memory_kills": float(counters.memory_kills),
             "rollout/peak_rss_bytes": float(counters.peak_rss_bytes),
-            "rollout/cache_bytes": sum(c["bytes"] for c in caches),
-            "rollout/cache_evictions": sum(c["evictions"] for c in caches),
-            "rollout/memory_throttles": sum(c.get("memory_throttles", 0.0) for c in caches),
+            "rollout/cache_bytes": float(sum(c.bytes for c in caches)),
+            "rollout/cache_evictions": float(sum(c.evictions for c in caches)),
+            "rollout/memory_throttles": float(sum(c.memory_throttles for c in caches)),
         }
         self.interval_start = now
         return metrics

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from treegrpo_ray.actors.schedule import Lease, LeaseReceipt
+from treegrpo_ray.engine import EngineCounters
 
 INITIAL = 0  # the version of the policy every worker starts on
 UNKNOWN = -1  # the version of a restarted worker instance before it is synced
@@ -154,7 +155,7 @@ class RolloutCounters:
     memory_kills: int = 0
     last_failure: str = ""
     busy_s: float = 0.0
-    worker_cache: dict[int, dict[str, float]] = field(default_factory=dict)
+    worker_cache: dict[int, EngineCounters] = field(default_factory=dict)
     peak_rss_bytes: int = 0
 
 

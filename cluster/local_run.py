@@ -21,7 +21,7 @@ import torch
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import eval_seed, leases_of_step, load_task
 from treegrpo_ray.config import JobConfig
-from treegrpo_ray.learners.intake import pull_batch
+from treegrpo_ray.learners.intake import Intake, pull_batch
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.learners.loop import learner_step
 from treegrpo_ray.tree import Tree
@@ -61,7 +61,7 @@ class LocalRun:
         self.train_seconds += time.perf_counter() - started - saving
         return metrics
 
-    def next_batch(self, version: int) -> tuple[list[Tree], dict[str, float]]:
+    def next_batch(self, version: int) -> Intake:
         """The ``TreeSource`` of this run: its worker expands the step's leases in turn."""
         train = self.cfg.train
         batches: queue.Queue[Any] = queue.Queue()

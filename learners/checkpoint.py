@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +39,36 @@ FORMAT = 2  # of the manifest: 1 had CRC-32 checksums, 2 has XXH3-64
 CHUNK = 16 << 20  # bytes read at a time for the CRC-32 of format 1
 
 
+@dataclass(frozen=True)
+class LearnerCounters:
+    """The learner's counters: policy version, updates skipped (in all and in a row), the Python
+    RNG state (``random.getstate()``) and the reward normaliser's state (None: none)."""
+
+    policy_version: int
+    skipped_updates: int
+    skipped_in_a_row: int
+    python_rng: tuple[Any, ...]
+    reward_norm: dict[str, Any] | None
+
+
 @dataclass
 class LearnerState:
     """A learner's whole training state.
 
     weights: the model's state dict, or with ``adapter`` the LoRA adapter's; optimizer: its state
-    dict; torch_rng: ``torch.get_rng_state()``; counters: JSON values (policy version,
-    skipped-update counters, Python RNG state, reward normaliser, and the caller's extras)."""
+    dict; torch_rng: ``torch.get_rng_state()``; counters: the learner's; extra: JSON values the
+    caller saved beside them (such as the step)."""
 
     weights: dict[str, torch.Tensor]
     adapter: bool
     optimizer: dict[str, Any]
     torch_rng: torch.Tensor
-    counters: dict[str, Any]
+    counters: LearnerCounters
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def version(self) -> int:
-        return int(self.counters["policy_version"])
+        return self.counters.policy_version
 
 
 class CheckpointNotWritten(TrainingStopped):
@@ -251,19 +264,21 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> LearnerState:
-    """The state saved in ``path``; its counters include the extras given when it was saved."""
-    counters = json.loads((path / "trainer_state.json").read_text())
-    counters["python_rng"] = _as_tuple(counters["python_rng"])
+    """The state saved in ``path``, with the extras given when it was saved."""
+    saved = json.loads((path / "trainer_state.json").read_text())
     adapter = (path / "adapter.safetensors").is_file()
     weights = load_file(str(path / ("adapter.safetensors" if adapter else "model.safetensors")))
-    for alias, name in counters.pop("aliases").items():
+    for alias, name in saved.pop("aliases").items():
         weights[alias] = weights[name]
+    counters = {f.name: saved.pop(f.name) for f in fields(LearnerCounters)}
+    counters["python_rng"] = _as_tuple(counters["python_rng"])
     return LearnerState(
         weights=weights,
         adapter=adapter,
         optimizer=torch.load(path / "optimizer.pt", weights_only=True),
         torch_rng=torch.load(path / "torch_rng.pt", weights_only=True),
-        counters=counters,
+        counters=LearnerCounters(**counters),
+        extra=saved,
     )
 
 
@@ -273,8 +288,8 @@ def _write_state(state: LearnerState, directory: Path, extra: dict[str, Any]) ->
     save_file({k: v.contiguous() for k, v in weights.items()}, directory / name)
     torch.save(state.optimizer, directory / "optimizer.pt")
     torch.save(state.torch_rng, directory / "torch_rng.pt")
-    counters = {**extra, **state.counters, "aliases": aliases}
-    (directory / "trainer_state.json").write_text(json.dumps(counters))
+    saved = {**state.extra, **extra, **asdict(state.counters), "aliases": aliases}
+    (directory / "trainer_state.json").write_text(json.dumps(saved))
 
 
 def _without_aliases(

@@ -18,9 +18,7 @@ from treegrpo_ray.advantage import RoutedAdvantages, chain_grpo_advantages, tree
 from treegrpo_ray.config import EngineConfig, JobConfig, LoraSettings, PPOConfig
 from treegrpo_ray.engine import LoraPayload
 from treegrpo_ray.errors import TrainingStopped, UserInputError
-from treegrpo_ray.learners.checkpoint import (
-    LearnerState,
-)
+from treegrpo_ray.learners.checkpoint import LearnerCounters, LearnerState
 from treegrpo_ray.learners.distributed import (
     all_agree,
     deal_rows,
@@ -207,13 +205,13 @@ class Learner:
             weights = get_peft_model_state_dict(self.model)
         else:
             weights = self.model.state_dict()
-        counters = {
-            "policy_version": self.version,
-            "skipped_updates": self.skipped_updates,
-            "skipped_in_a_row": self.skipped_in_a_row,
-            "python_rng": self.rng.getstate(),
-            "reward_norm": None if self.reward_norm is None else self.reward_norm.state_dict(),
-        }
+        counters = LearnerCounters(
+            policy_version=self.version,
+            skipped_updates=self.skipped_updates,
+            skipped_in_a_row=self.skipped_in_a_row,
+            python_rng=self.rng.getstate(),
+            reward_norm=None if self.reward_norm is None else self.reward_norm.state_dict(),
+        )
         return LearnerState(
             weights=weights,
             adapter=self.lora,
@@ -238,12 +236,12 @@ class Learner:
         self.optimizer.load_state_dict(state.optimizer)
         torch.set_rng_state(state.torch_rng)
         counters = state.counters
-        self.rng.setstate(counters["python_rng"])
-        self.version = counters["policy_version"]
-        self.skipped_updates = counters["skipped_updates"]
-        self.skipped_in_a_row = counters["skipped_in_a_row"]
+        self.rng.setstate(counters.python_rng)
+        self.version = counters.policy_version
+        self.skipped_updates = counters.skipped_updates
+        self.skipped_in_a_row = counters.skipped_in_a_row
         if self.reward_norm is not None:
-            self.reward_norm.load_state_dict(counters["reward_norm"])
+            self.reward_norm.load_state_dict(counters.reward_norm)
 
     def advantages(
         self, rewards: torch.Tensor, tree_ids: torch.Tensor, group_ids: torch.Tensor

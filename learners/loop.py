@@ -26,7 +26,7 @@ from treegrpo_ray.learners.checkpoint import (
     save_checkpoint,
 )
 from treegrpo_ray.learners.distributed import broadcast_from_first
-from treegrpo_ray.learners.intake import pull_batch
+from treegrpo_ray.learners.intake import Intake, pull_batch
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.metrics import timed
 from treegrpo_ray.saved_trees import should_save
@@ -42,8 +42,8 @@ class LearnerPlace:
 
 
 class TreeSource(Protocol):
-    def next_batch(self, version: int) -> tuple[list[Tree], dict[str, float]]:
-        """The trees of the update after ``version`` and their intake metrics; raises
+    def next_batch(self, version: int) -> Intake:
+        """The trees of the update after ``version`` and what taking them in cost; raises
         ``TrainingStopped`` when none will come."""
         ...
 
@@ -63,7 +63,8 @@ def learner_step(
 ) -> dict[str, float]:
     """One update; returns its metrics. ``trees_dir``: where the updates that
     ``train.save_trees_every`` names keep their trees (None: nowhere)."""
-    trees, metrics = source.next_batch(learner.version)
+    intake = source.next_batch(learner.version)
+    trees, metrics = intake.trees, intake.metrics()
     with timed(metrics, "update"):
         metrics.update(learner.update(trees))
     if trees_dir is not None and should_save(train.save_trees_every, learner.version, train.steps):
@@ -80,7 +81,7 @@ class QueueSource:
     def __init__(self, queue: Any, train: TrainConfig, first: bool, world_size: int):
         self.queue, self.train, self.first, self.world_size = queue, train, first, world_size
 
-    def next_batch(self, version: int) -> tuple[list[Tree], dict[str, float]]:
+    def next_batch(self, version: int) -> Intake:
         batch: Any = None
         if self.first:
             train = self.train

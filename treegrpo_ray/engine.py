@@ -6,7 +6,7 @@ Engines are token-in / token-out: the learner trains on exactly the sampled toke
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from treegrpo_ray.stops import StopStrings
@@ -53,6 +53,37 @@ class GenerationResult:
     entropies: list[float] | None = None
 
 
+@dataclass
+class EngineCounters:
+    """An engine's counters since it started (they survive policy versions).
+
+    prefill_tokens / cached_tokens: prefix tokens computed by the model / served from a cache;
+    lookups / hits: requests looked up in the prefix cache / served at least one cached token;
+    evictions: cache entries dropped for memory; bytes: KV bytes the cache holds now;
+    memory_throttles: admissions held back because the node was near its memory limit;
+    resumed_segments / resume_prefill_tokens: vLLM's requests resumed after an unconfirmed stop
+    string, and the prompt tokens they recomputed. An engine leaves what it cannot see at 0."""
+
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    lookups: int = 0
+    hits: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    memory_throttles: int = 0
+    resumed_segments: int = 0
+    resume_prefill_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def since(self, earlier: EngineCounters) -> EngineCounters:
+        """What was counted after ``earlier`` (``bytes``: as held now)."""
+        counted = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        return EngineCounters(**{**counted, "bytes": self.bytes})
+
+
 @dataclass(frozen=True)
 class LoraPayload:
     """A LoRA adapter as shipped to rollout engines: the adapter tensors only (peft names, as in
@@ -76,9 +107,8 @@ class Engine(Protocol):
         computed under an older version may be reused."""
         ...
 
-    def cache_stats(self) -> dict[str, float]:
-        """Counters since start: ``prefill_tokens``, ``cached_tokens``, ``lookups``, ``hits``,
-        ``evictions``, ``bytes`` (KV held now), ``hit_rate`` (hits / lookups)."""
+    def cache_stats(self) -> EngineCounters:
+        """A copy of the counters since start."""
         ...
 
 

@@ -16,14 +16,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import SlotKV, attending_through_slots
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload
+from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
 from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
@@ -262,9 +262,9 @@ class HFEngine:
         """The model's linear weights as they are now, packed (None: the model's own path)."""
         return OneDNNLinears(self.model) if self.packs_linears else None
 
-    def cache_stats(self) -> dict[str, float]:
-        """Prefill / cache counters since start (see ``CacheStats``), and ``memory_throttles``."""
-        return {**self.cache.stats.to_dict(), "memory_throttles": self.memory_throttles}
+    def cache_stats(self) -> EngineCounters:
+        """Prefill / cache counters since start, and ``memory_throttles``."""
+        return replace(self.cache.stats, memory_throttles=self.memory_throttles)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Continue every request's prefix; results come back in request order."""

@@ -22,32 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treegrpo_ray.engine import EngineCounters
 from treegrpo_ray.tree import common_prefix_length
 
 logger = logging.getLogger(__name__)
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class CacheStats:
-    """Counters since the engine started (they survive version resets).
-
-    prefill_tokens: prefix tokens computed by the model; cached_tokens: prefix tokens served from
-    the cache; lookups / hits: requests looked up / served at least one cached token;
-    evictions: radix nodes dropped for memory; bytes: KV bytes held now.
-    """
-
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    lookups: int = 0
-    hits: int = 0
-    evictions: int = 0
-    bytes: int = 0
-
-    def to_dict(self) -> dict[str, float]:
-        hit_rate = self.hits / self.lookups if self.lookups else 0.0
-        return {**vars(self), "hit_rate": hit_rate}
 
 
 @dataclass
@@ -100,7 +80,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.enabled = max_bytes > 0
         self.version = version
-        self.stats = CacheStats()
+        self.stats = EngineCounters()  # the cache's share of its engine's counters
         self._root = _Node((), [], parent=None)
         self._clock = itertools.count(1)
 

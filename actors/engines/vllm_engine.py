@@ -88,13 +88,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from treegrpo_ray.actors.engines.prefix_cache import CacheStats
 from treegrpo_ray.config import VLLM_CPU_BLOCK_SIZE, VLLMConfig, installed_vllm_build
-from treegrpo_ray.engine import GenerationRequest, GenerationResult, LoraPayload, SamplingParams
+from treegrpo_ray.engine import (
+    EngineCounters,
+    GenerationRequest,
+    GenerationResult,
+    LoraPayload,
+    SamplingParams,
+)
 from treegrpo_ray.hub import resolve_policy_path
 from treegrpo_ray.stops import StopStrings
 
@@ -427,8 +432,7 @@ class VLLMEngine:
         self.entropy_topk = settings.entropy_topk
         self.enable_lora = enable_lora
         self.version = 0
-        self.stats = CacheStats()
-        self.resume_stats = {"resumed_segments": 0, "resume_prefill_tokens": 0}
+        self.stats = EngineCounters()
         self._lora: Any = None  # LoRARequest of the current version, if it is an adapter
         self._lora_dir: Path | None = None
 
@@ -443,15 +447,15 @@ class VLLMEngine:
                 self.stats.hits += int(p.cached_tokens > 0)
                 self.stats.prefill_tokens += p.prefill_tokens
                 self.stats.cached_tokens += p.cached_tokens
-                self.resume_stats["resumed_segments"] += p.segments - 1
-                self.resume_stats["resume_prefill_tokens"] += p.resume_prefill_tokens
+                self.stats.resumed_segments += p.segments - 1
+                self.stats.resume_prefill_tokens += p.resume_prefill_tokens
         return [p.result() for p in progress]
 
-    def cache_stats(self) -> dict[str, float]:
+    def cache_stats(self) -> EngineCounters:
         """Counters since start, as ``HFEngine.cache_stats`` (lookups / hits per request), plus the
         resumed segments' cost. ``evictions`` and ``bytes`` stay 0: vLLM's offline API exposes
         neither (its KV pool is allocated once, at start-up)."""
-        return {**self.stats.to_dict(), **self.resume_stats}
+        return replace(self.stats)
 
     def _run_segments(self, progress: Sequence[RequestProgress]) -> list[Any]:
         """One batched ``LLM.generate`` over the next segment of each request."""

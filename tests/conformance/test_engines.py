@@ -30,6 +30,7 @@ from treegrpo_ray.cluster.local_ray import init_local_ray
 from treegrpo_ray.config import VLLMConfig, installed_vllm_build
 from treegrpo_ray.engine import (
     Engine,
+    EngineCounters,
     GenerationRequest,
     GenerationResult,
     LoraPayload,
@@ -102,7 +103,7 @@ class EngineOnHost:
     def load_weights(self, version: int, payload: Any) -> None:
         ray.get(self.host.call.remote("load_weights", version, payload))
 
-    def cache_stats(self) -> dict[str, float]:
+    def cache_stats(self) -> EngineCounters:
         return ray.get(self.host.call.remote("cache_stats"))
 
 
@@ -364,12 +365,11 @@ def test_counters_add_up(make_engine, untrained_policy):
             # the HF engine prefills a prefix once per batch: the third copies the first's
             shared = hf and prefix in prefixes[:i]
             assert result.prefill_tokens == 0 if shared else result.prefill_tokens >= 1
-    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(
-        r.prefill_tokens for r in results
-    )
-    assert after["cached_tokens"] - before["cached_tokens"] == sum(r.cached_tokens for r in results)
-    assert after["lookups"] - before["lookups"] == len(results)
-    assert after["hits"] - before["hits"] == sum(r.cached_tokens > 0 for r in results)
+    counted = after.since(before)
+    assert counted.prefill_tokens == sum(r.prefill_tokens for r in results)
+    assert counted.cached_tokens == sum(r.cached_tokens for r in results)
+    assert counted.lookups == len(results)
+    assert counted.hits == sum(r.cached_tokens > 0 for r in results)
     assert all(r.cached_tokens > 0 for r in waves[1])
     if hf:  # token-granular: all but the last prefix token, which the third shares
         assert [r.cached_tokens for r in waves[1]] == [len(p) - 1 for p in prefixes[:2]] + [

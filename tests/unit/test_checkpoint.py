@@ -37,7 +37,7 @@ def test_a_restored_learner_takes_exactly_the_next_step(
     resumed = Learner(untrained_policy, ppo, temperature=1.0, seed=99)
     state = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(tmp_path))
     resumed.load_state_dict(state)
-    assert path.name == "step-000001" and state.counters["next_group"] == 2
+    assert path.name == "step-000001" and state.extra == {"next_group": 2}
     assert resumed.version == 1
     got = resumed.update(batches[1])
     unrepeatable = ("timing/", "learner/peak_rss_bytes")  # wall times; the process's memory

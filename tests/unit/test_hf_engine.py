@@ -122,7 +122,7 @@ def test_near_the_memory_limit_no_row_joins_a_running_batch_and_no_token_changes
         assert len(engine.running) <= max(1, before)  # one joins only an empty batch
         assert engine.kv.slots <= max(1, before)  # the slots shrank to the running rows
     assert engine.memory_throttles > 0
-    assert engine.cache_stats()["memory_throttles"] == engine.memory_throttles
+    assert engine.cache_stats().memory_throttles == engine.memory_throttles
     pressed["now"] = False
     results.update(_run(engine, [])[0])
     assert [results[i].token_ids for i in range(len(requests))] == [r.token_ids for r in free]
@@ -160,4 +160,4 @@ def test_samples_of_one_prefix_joining_together_prefill_it_once():
             torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
         )
     stats = engine.cache_stats()
-    assert (stats["lookups"], stats["hits"]) == (7, 5)
+    assert (stats.lookups, stats.hits) == (7, 5)

@@ -21,6 +21,7 @@ from treegrpo_ray.cluster.job_state import (
     StopWorker,
     WorkerDeath,
 )
+from treegrpo_ray.engine import EngineCounters
 from treegrpo_ray.envs.base import Sample
 from treegrpo_ray.tree import BatchInfo
 
@@ -41,7 +42,7 @@ def job(workers: int, steps: int = 3, lag: int = 0, resume_from: int | None = No
 
 def receipt(lease: Lease, seconds: float = 1.0) -> LeaseReceipt:
     info = BatchInfo(lease.lease_id, 0, {}, rollout_seconds=seconds)
-    return LeaseReceipt(info, {"bytes": 0.0, "evictions": 0.0}, peak_rss_bytes=7)
+    return LeaseReceipt(info, EngineCounters(), peak_rss_bytes=7)
 
 
 def started(commands: list) -> dict[int, StartLease]:

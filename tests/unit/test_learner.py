@@ -133,10 +133,12 @@ def test_pull_batch_refuses_trees_older_than_the_lag():
     from treegrpo_ray.learners.intake import pull_batch
 
     queue = ListQueue([_table(3, [0, 1]), _table(4, [2, 3]), _table(5, [4, 5])])
-    trees, metrics = pull_batch(queue, groups_needed=4, version=5, max_lag=1)
+    intake = pull_batch(queue, groups_needed=4, version=5, max_lag=1)
+    metrics = intake.metrics()
     # version 3 < 5 - 1 is dropped (2 groups); versions 4 and 5 make up the 4 groups
-    assert sorted(t.group_id for t in trees) == [2, 3, 4, 5]
-    assert metrics["tree/dropped_stale_groups"] == 2
+    assert [t.group_id for t in intake.trees] == [2, 3, 4, 5]
+    assert intake.dropped_stale_groups == metrics["tree/dropped_stale_groups"] == 2
+    assert intake.staleness == metrics["tree/staleness"] == 0.5  # 2 trees 1 behind, 2 current
     assert metrics["budget/generated_tokens"] == 4
     assert metrics["rollout/seconds"] == 1.0
     # prefix work of the kept groups 2..5: computed 3+4+5+6, served from the cache 4 x 3
