@@ -232,7 +232,7 @@ def run_agent(s: AgentSettings, out: Path | None = None, progress: Any = print) 
     chain = load_config(s.preset, [*base, f"tree.m={s.group}", "tree.n=0", "ppo.advantage=chain"])
     tree = load_config(s.preset, [*base, "ppo.advantage=tree"])
     torch.set_num_threads(chain.cluster.torch_threads)
-    path = str(resolve_model_path(chain, progress=False))
+    path = str(resolve_model_path(chain))
     samples = load_task(chain.task).train_samples()
     leases = leases_of_step(chain, samples)  # each update's questions, as LocalRun leases them
     schedule = [

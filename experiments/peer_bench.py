@@ -54,7 +54,7 @@ class PeerSettings:
     prompts: int = 4
     group: int = 6
     max_new_tokens: int = 48
-    repeats: int = 3
+    repeats: int = 2
     overrides: tuple[str, ...] = ()
 
 
@@ -395,7 +395,7 @@ def run_peer(
     sets = [*s.overrides, "ppo.advantage=chain", "ppo.epochs=1", "ppo.minibatches=1"]
     cfg = load_config(s.preset, sets)
     torch.set_num_threads(cfg.cluster.torch_threads)
-    path = str(resolve_model_path(cfg, progress=False))
+    path = str(resolve_model_path(cfg))  # a first run prepares the model: show its progress
     worker = RolloutWorker.from_config(cfg, path)
     w = workload(cfg, worker.tokenizer, s.prompts)
     report = PeerReport(s, versions(), roofline())
