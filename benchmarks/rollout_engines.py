@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -302,21 +301,30 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_hosts(
-    threads: int, arms: Sequence[str] = ARMS, kinds: Mapping[str, str] | None = None
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """One ``ArmHost`` actor per arm, each with ``threads`` torch threads; returns them and the
-    seconds each took to import its engine (``kinds``: an arm's engine kind, default its name)."""
+def start_hosts(threads: int) -> tuple[dict[str, Any], dict[str, float]]:
+    """One ``ArmHost`` actor per engine, each with ``threads`` torch threads; returns them and the
+    seconds each took to import its engine."""
+    init_host_ray(threads)
+    hosts = {arm: arm_host(threads) for arm in ARMS}
+    imports = {arm: ray.get(hosts[arm].prepare.remote(arm)) for arm in ARMS}
+    return hosts, imports
+
+
+def init_host_ray(threads: int) -> None:
+    """A local Ray instance of ``threads`` CPUs that can run ``ArmHost`` actors."""
     init_local_ray(
         num_cpus=threads, include_dashboard=False, logging_level="WARNING", log_to_driver=False
     )
     for script in (rollout_prefix_cache, sys.modules[ArmHost.__module__]):
         ray.cloudpickle.register_pickle_by_value(script)  # workers cannot import the scripts
+
+
+def arm_host(threads: int) -> Any:
+    """A new ``ArmHost`` actor with ``threads`` torch threads (``OMP_NUM_THREADS`` set: vLLM on
+    CPU keeps them only so)."""
     env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
     remote = ray.remote(ArmHost).options(num_cpus=0, runtime_env={"env_vars": env})
-    hosts = {arm: remote.remote(threads) for arm in arms}
-    imports = {arm: ray.get(hosts[arm].prepare.remote((kinds or {}).get(arm, arm))) for arm in arms}
-    return hosts, imports
+    return remote.remote(threads)
 
 
 def machine(threads: set[int]) -> dict[str, Any]:

@@ -62,11 +62,15 @@ def test_two_updates_with_vllm_rollouts_change_every_parameter(
     assert _changed_everywhere(before, after)
 
 
+@pytest.mark.parametrize("sent", ["adapter", "merged"])
 def test_two_lora_updates_with_vllm_rollouts_change_every_adapter_tensor(
-    make_cfg, tiny_policy, two_step_overrides
+    make_cfg, tiny_policy, two_step_overrides, sent
 ):
-    cfg = make_cfg("name=vllm-lora", *VLLM, *two_step_overrides(), preset="tiny-multihop-lora")
-    assert cfg.model.lora.enabled
+    """Either way vLLM gets a LoRA policy (the adapter, or the weights with it merged: the CPU
+    build's default), the learner trains the adapter."""
+    lora = [f"name=vllm-lora-{sent}", f"engine.vllm.lora_updates={sent}"]
+    cfg = make_cfg(*lora, *VLLM, *two_step_overrides(), preset="tiny-multihop-lora")
+    assert cfg.model.lora.enabled and cfg.engine.adapter_updates(True) == (sent == "adapter")
     summary = train(cfg, progress=False)
     _assert_two_updates_through_vllm(cfg, summary)
     steps = cfg.run_dir / "checkpoints"

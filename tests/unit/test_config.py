@@ -98,3 +98,23 @@ def test_the_vllm_device_is_resolved_on_reading_and_saved_with_the_run(tmp_path)
     assert resume_config(cfg.run_dir, None).engine.vllm.device == build_device
     explicit = load_config("tiny-multihop", ["engine.vllm.device=cuda"])
     assert explicit.engine.vllm.device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("device", "sent", "adapters"),
+    [
+        ("cpu", "auto", False),  # the CPU build's LoRA kernels were the slower (issue 27)
+        ("cuda", "auto", True),
+        ("cpu", "adapter", True),
+        ("cuda", "merged", False),
+    ],
+)
+def test_a_lora_policy_reaches_vllm_as_adapters_or_merged_weights(device, sent, adapters):
+    cfg = load_config(
+        "tiny-multihop-lora",
+        ["engine.kind=vllm", f"engine.vllm.device={device}", f"engine.vllm.lora_updates={sent}"],
+    )
+    assert cfg.engine.adapter_updates(lora=True) is adapters
+    assert cfg.engine.adapter_updates(lora=False) is False
+    hf = load_config("tiny-multihop-lora", [f"engine.vllm.lora_updates={sent}"])
+    assert hf.engine.adapter_updates(lora=True) is True  # the embedded engine merges them itself

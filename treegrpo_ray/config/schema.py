@@ -305,13 +305,14 @@ class VLLMConfig(_Section):
     enable_prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
     max_model_len: int | None = Field(None, gt=0, description="Context length; null: model's.")
     max_lora_rank: int = Field(16, gt=0, description="Largest LoRA rank the engine accepts.")
-    lora_updates: Literal["adapter", "merged"] = Field(
-        "adapter",
+    lora_updates: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
         description="With model.lora: what each update sends vLLM. adapter: the LoRA tensors, "
         "served through vLLM's LoRA kernels; merged: the base weights with the adapter added "
-        "(a full state dict in engine.vllm.dtype; vLLM then decodes as the plain model). The "
-        "learner trains the adapter either way. Which is faster on a given machine is not measured "
-        "yet (issue 27): adapter stays the default.",
+        "(a full state dict in engine.vllm.dtype; vLLM then decodes as the plain model); auto: "
+        "merged on the CPU build (its LoRA kernels rolled out the SmolLM2 preset 2.6x slower than "
+        "merged weights: benchmarks/vllm_lora_updates.py), adapter on cuda (a full state dict per "
+        "update there is GBs; not measured). The learner trains the adapter either way.",
     )
     entropy_topk: int = Field(
         20,
@@ -341,6 +342,12 @@ class VLLMConfig(_Section):
         if self.tensor_parallel_size != 1:
             raise ValueError("engine.vllm.tensor_parallel_size must be 1 on cpu")
         return self
+
+    def sends_merged(self) -> bool:
+        """Whether a LoRA policy reaches vLLM as merged weights (``lora_updates``)."""
+        if self.lora_updates == "auto":
+            return self.resolved_device() == "cpu"
+        return self.lora_updates == "merged"
 
     def resolved_device(self) -> Literal["cuda", "cpu"]:
         """``device``, with auto decided by the vLLM build installed here."""
@@ -401,9 +408,9 @@ class EngineConfig(_Section):
 
     def adapter_updates(self, lora: bool) -> bool:
         """Whether a LoRA policy (``lora``) reaches the engine as adapters: always on the
-        embedded engine (it merges them itself), on vLLM unless ``vllm.lora_updates`` is
-        merged (the learner then sends merged weights)."""
-        return lora and not (self.kind == "vllm" and self.vllm.lora_updates == "merged")
+        embedded engine (it merges them itself), on vLLM unless it is sent merged weights
+        (``VLLMConfig.sends_merged``)."""
+        return lora and not (self.kind == "vllm" and self.vllm.sends_merged())
 
     def weights_dtype(self) -> str:
         """The dtype the engine computes in, and so the one the learner ships new weights in:
