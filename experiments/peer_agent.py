@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from treegrpo_ray.experiments.peer_bench import median_of
+
 if TYPE_CHECKING:  # the CLI imports this module to build its parser: torch etc. load lazily
     from treegrpo_ray.config import JobConfig
     from treegrpo_ray.envs.base import AgentEnv, Sample
@@ -304,8 +306,6 @@ def _line(u: Update) -> str:
 
 
 def table(report: AgentReport) -> str:
-    from treegrpo_ray.experiments.peer_bench import median_of
-
     """Each arm's medians over its updates as a Markdown table; the last column: how many times
     faster an update is than TRL's."""
     lines = [
