@@ -2,7 +2,8 @@
 
 Only ObjectRefs pass through the queue actor, wrapped in a ``QueueItem`` so Ray does not resolve
 them on the way: the Arrow payload stays in the object store until the learner reads it.
-Producers block while the queue is full (backpressure).
+The producer (the job's controller, an asyncio actor) puts without blocking its event loop and
+waits while the queue is full (backpressure); the learners' ``get`` blocks.
 """
 
 from __future__ import annotations
@@ -29,22 +30,22 @@ class TreeQueue:
     def __init__(self, maxsize: int):
         self._queue = Queue(maxsize=maxsize, actor_options={"num_cpus": 0})
 
-    def put(self, ref: ray.ObjectRef, timeout: float | None = None) -> None:
-        """Enqueue one tree batch by reference; blocks while the queue is full."""
-        self._queue.put(QueueItem(refs=[ref]), timeout=timeout)
+    async def put(self, ref: ray.ObjectRef, timeout: float) -> None:
+        """Enqueue one tree batch by reference, waiting up to ``timeout`` s for room (``Full``)."""
+        await self._queue.put_async(QueueItem(refs=[ref]), timeout=timeout)
 
-    def put_error(self, message: str, timeout: float) -> None:
+    async def put_error(self, message: str, timeout: float) -> None:
         """Tell the consumer that production failed (it raises instead of waiting forever).
 
         In a full queue the oldest batch makes room: production failed, so the run stops, and
         the error must get through. Gives up after ``timeout`` s (``Full``)."""
         item = QueueItem(error=message)
         try:
-            self._queue.put_nowait(item)
+            await self._queue.put_async(item, block=False)
         except Full:
             with contextlib.suppress(Empty):
-                self._queue.get_nowait()
-            self._queue.put(item, timeout=timeout)
+                await self._queue.get_async(block=False)
+            await self._queue.put_async(item, timeout=timeout)
 
     def get(self, timeout: float | None = None) -> pa.Table:
         """Dequeue the next tree batch and fetch its table from the object store."""
@@ -53,19 +54,19 @@ class TreeQueue:
             raise RuntimeError(f"rollout failed: {item.error}")
         return ray.get(item.refs[0])
 
-    def drain(self) -> int:
+    async def drain(self) -> int:
         """Drop every queued batch (a rewind); returns how many were dropped."""
         dropped = 0
-        while not self._queue.empty():
+        while True:
             try:
-                self._queue.get_nowait()
+                await self._queue.get_async(block=False)
             except Empty:
-                break
+                return dropped
             dropped += 1
-        return dropped
 
-    def size(self) -> int:
-        return self._queue.size()
+    async def size(self) -> int:
+        # ray.util.queue types its actor handle as the actor's class
+        return await self._queue.actor.qsize.remote()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         self._queue.shutdown()

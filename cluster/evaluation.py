@@ -4,16 +4,17 @@ The controller starts an evaluation when the learner publishes a version that is
 returns at once; the learner goes on training. Each shard of the held-out questions is sent to a
 worker right after that worker is given the evaluated version (``load_weights`` of the version's
 snapshot if the worker is on another one), and calls to one actor run in the order they are sent:
-so every shard measures exactly that version, even when the lease loop moves the worker on to a
+so every shard measures exactly that version, even when a lease moves the worker on to a
 newer policy right after. A shard whose worker dies is sent again to another worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,49 +47,55 @@ class Snapshot:
 
 
 class Evaluator:
-    """Runs measurements of a snapshot on the job's rollout workers.
+    """Runs measurements of a snapshot on the job's rollout workers, as a task on the
+    controller's event loop.
 
     ``workers_on(snapshot)``: the handles of the usable workers, each sent the snapshot's policy
-    first if it holds another (none when no weights can be sent); called under ``lock``, the
-    controller's, so that an evaluation's calls and the lease loop's interleave in a known order.
+    first if it holds another (none when no weights can be sent). Its sends and the shards sent
+    after them are made without yielding to the loop, so no lease of the loop's comes between.
     ``kept`` is a context manager inside which no scaled-down worker is stopped (it would lose
-    its shard)."""
+    its shard); ``changed(timeout)`` waits up to ``timeout`` s for the job to change (a worker
+    that answers again)."""
 
     def __init__(
         self,
         heldout: list[Sample],
         seed: int,
         workers_on: Callable[[Snapshot], list[Any]],
-        lock: threading.Condition,
-        kept: Callable[[], Any],
+        kept: Callable[[], AbstractContextManager[None]],
+        changed: Callable[[float], Awaitable[None]],
     ):
         self.heldout = heldout
         self.seed = seed
         self.workers_on = workers_on
-        self.lock = lock
         self.kept = kept
+        self.changed = changed
 
-    def measure(self, snapshot: Snapshot, measurements: list[Measurement]) -> dict[str, float]:
+    async def measure(
+        self, snapshot: Snapshot, measurements: list[Measurement]
+    ) -> dict[str, float]:
         """Every measurement of ``snapshot``, by key, plus ``eval/policy_version``."""
         with self.kept():
-            result = {m.key: self._success_rate(snapshot, m) for m in measurements}
+            result = {m.key: await self._success_rate(snapshot, m) for m in measurements}
         return {**result, "eval/policy_version": float(snapshot.version)}
 
-    def _success_rate(self, snapshot: Snapshot, measurement: Measurement) -> float:
+    async def _success_rate(self, snapshot: Snapshot, measurement: Measurement) -> float:
         samples = self.heldout[: measurement.questions]
-        with self.lock:
-            workers = len(self._wait_for_workers(snapshot))
+        workers = len(await self._wait_for_workers(snapshot))
         shards = [samples[i::workers] for i in range(workers)]
         results: dict[int, list[float]] = {}
         todo = list(range(len(shards)))
         for _ in range(SHARD_ATTEMPTS):
-            sent = self._send(snapshot, measurement, shards, todo)
+            sent = await self._send(snapshot, measurement, shards, todo)
+            answers = await asyncio.gather(*sent, return_exceptions=True)
             todo = []
-            for ref, shard in sent.items():
-                try:
-                    results[shard] = ray.get(ref)
-                except (RayActorError, OutOfMemoryError):
-                    todo.append(shard)
+            for shard, answer in zip(sent.values(), answers, strict=True):
+                if isinstance(answer, (RayActorError, OutOfMemoryError)):
+                    todo.append(shard)  # its worker died: sent again
+                elif isinstance(answer, BaseException):
+                    raise answer
+                else:
+                    results[shard] = answer
             if not todo:
                 return statistics.fmean(x for shard in results.values() for x in shard)
         raise RuntimeError(
@@ -96,7 +103,7 @@ class Evaluator:
             f"{SHARD_ATTEMPTS} times; see the rollout workers' logs"
         )
 
-    def _send(
+    async def _send(
         self,
         snapshot: Snapshot,
         measurement: Measurement,
@@ -104,23 +111,23 @@ class Evaluator:
         todo: list[int],
     ) -> dict[ray.ObjectRef, int]:
         """Send the shards in ``todo`` round-robin to the workers on ``snapshot``."""
-        with self.lock:
-            workers = self._wait_for_workers(snapshot)
-            return {
-                workers[i % len(workers)].evaluate.remote(
-                    shards[shard], measurement.temperature, self.seed
-                ): shard
-                for i, shard in enumerate(todo)
-            }
+        workers = await self._wait_for_workers(snapshot)
+        return {
+            workers[i % len(workers)].evaluate.remote(
+                shards[shard], measurement.temperature, self.seed
+            ): shard
+            for i, shard in enumerate(todo)
+        }
 
-    def _wait_for_workers(self, snapshot: Snapshot) -> list[Any]:
-        """``workers_on``, waiting while there is none (the caller holds the lock)."""
+    async def _wait_for_workers(self, snapshot: Snapshot) -> list[Any]:
+        """``workers_on``, waiting while there is none (all may be restarting)."""
         deadline = time.monotonic() + WORKER_WAIT_S
         while not (workers := self.workers_on(snapshot)):
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise RuntimeError(
                     f"no rollout worker could evaluate policy version {snapshot.version} within "
                     f"{WORKER_WAIT_S} s; see the rollout workers' logs"
                 )
-            self.lock.wait(1.0)  # lets the lease loop bring restarted workers back
+            await self.changed(remaining)
         return workers

@@ -11,12 +11,13 @@ reserves ``cluster.rollout_cpus`` and ``cluster.rollout_resources`` on one node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, OutOfMemoryError, RayActorError
+from ray.exceptions import ActorUnavailableError, OutOfMemoryError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -60,24 +61,27 @@ def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | Non
     return {**options, **restarts}, group
 
 
-def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> int:
+async def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> int:
     """Wait up to ``timeout`` s for the placement groups to be reserved; returns how many were
     not (None stands for a worker without a group of its own)."""
-    ready = [g.ready() for g in groups if g is not None]
-    _, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout)
+    ready = [g.ready().as_future() for g in groups if g is not None]
+    if not ready:
+        return 0
+    _, pending = await asyncio.wait(ready, timeout=timeout)
+    for future in pending:
+        future.cancel()
     return len(pending)
 
 
 class RolloutPool:
     """The job's rollout worker actors by id (``JobState`` decides which exist; this class
-    starts, syncs, probes and stops them on Ray)."""
+    starts, syncs and stops them on Ray)."""
 
     def __init__(self, cfg: JobConfig, model_path: str, search: Any = None):
         self.cfg = cfg
         self.model_path = model_path
         self.search = search  # passed to every worker's environment (search_qa's retriever)
         self.workers: dict[int, PoolWorker] = {}
-        self.probes: dict[ray.ObjectRef, int] = {}  # pending probe -> worker id
         largest = max(n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"])
         self.workers_per_node = cfg.rollout_workers_per_node(largest)  # share the KV budget
 
@@ -137,32 +141,12 @@ class RolloutPool:
         """Send policy ``version`` to a worker (ordered before any later call to it)."""
         return self.workers[worker_id].handle.load_weights.remote(version, weights)
 
-    def probe(self, worker_id: int) -> None:
-        self.probes[self.workers[worker_id].handle.policy_version.remote()] = worker_id
-
-    def answered_probes(self) -> list[tuple[int, Exception | None]]:
-        """The probes that answered since the last call: each worker id with None (it answers)
-        or the error it raised. A worker still restarting is probed again."""
-        ready, _ = ray.wait(list(self.probes), num_returns=len(self.probes), timeout=0)
-        answers: list[tuple[int, Exception | None]] = []
-        for ref in ready:
-            worker_id = self.probes.pop(ref)
-            try:
-                ray.get(ref)
-                answers.append((worker_id, None))
-            except ActorUnavailableError:  # still restarting
-                self.probe(worker_id)
-            except RayActorError as err:
-                answers.append((worker_id, err))
-        return answers
-
     def handles(self) -> list[Any]:
         return [w.handle for w in self.workers.values()]
 
     def stop(self, worker_id: int) -> None:
         """Stop a worker and free its placement group."""
         worker = self.workers.pop(worker_id)
-        self.probes = {ref: w for ref, w in self.probes.items() if w != worker_id}
         ray.kill(worker.handle, no_restart=True)
         if worker.group is not None:
             remove_placement_group(worker.group)
