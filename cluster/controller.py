@@ -197,7 +197,7 @@ class Controller:
             receipt = await receipt_ref
         except (RayActorError, OutOfMemoryError) as err:  # the worker died (OOM: Ray killed it)
             receipt = err
-        if ticket not in self.batches:  # a rewind dropped the lease
+        if self.stopped or ticket not in self.batches:  # or a rewind dropped the lease
             return
         if isinstance(receipt, LeaseReceipt):
             self._execute(self.state.lease_done(ticket, receipt))
@@ -210,7 +210,7 @@ class Controller:
     async def _probe(self, worker_id: int) -> None:
         """Ask a new or restarted worker until it answers (it takes leases again) or turns out
         dead (it leaves the pool)."""
-        while worker_id in self.pool.workers:
+        while worker_id in self.pool.workers and not self.stopped:
             try:
                 await self.pool.workers[worker_id].handle.policy_version.remote()
             except ActorUnavailableError:  # still restarting
@@ -244,7 +244,7 @@ class Controller:
         async with self.queue_lock:
             await self.queue.drain()
         self.draining = False
-        if self.outbox:  # batches of the rewound run, held back meanwhile
+        if self.outbox:  # batches of the redone steps, held back meanwhile
             self._spawn(self._put_outbox())
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -258,7 +258,8 @@ class Controller:
         try:
             await work
         except Exception as err:
-            await self._rollout_failed(err)
+            if not self.stopped:  # else the workers are being shut down: nothing to report
+                await self._rollout_failed(err)
 
     async def _rollout_failed(self, err: Exception) -> None:
         """Stop the run, and tell the learners through the queue (a learner waiting for trees
