@@ -34,7 +34,9 @@ class RunningJob:
         self.outcome = {}
         self.thread = threading.Thread(target=self._train, daemon=True)
         self.thread.start()
-        assert self.started.wait(timeout=600), self.outcome.get("error")
+        assert self.started.wait(timeout=600), "the job did not start in 600 s"
+        if "error" in self.outcome:
+            raise self.outcome["error"]
         self.controller = self.outcome["controller"]
 
     def _train(self):
@@ -122,8 +124,21 @@ def test_scaling_the_rollout_pool_loses_and_duplicates_no_group(job_cfg):
     assert len(summary["rollout/worker_versions"]) == 1
 
 
-def test_a_killed_learner_is_restarted_from_its_checkpoint(job_cfg):
-    cfg = job_cfg("fault-learner", "train.steps=4", "train.checkpoint_every=1")
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param(("fault-learner",), id="in-step"),
+        # workers two versions ahead and room for one batch: the queue is mostly full and a put
+        # waits, so the rewind's drain must come after it and drop what it put
+        pytest.param(
+            ("fault-learner-full", "cluster.queue_size=1", "train.max_policy_lag=2"),
+            id="full-queue",
+        ),
+    ],
+)
+def test_a_killed_learner_is_restarted_from_its_checkpoint(job_cfg, pipeline):
+    name, *settings = pipeline
+    cfg = job_cfg(name, "train.steps=4", "train.checkpoint_every=1", *settings)
     job = RunningJob(cfg)
 
     job.call("wait_records", after_step=1, timeout=600)  # step 2 is published
