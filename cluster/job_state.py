@@ -9,7 +9,10 @@ sequences in-process.
 
 Leases: each step's prompt groups are cut into leases (``leases_of_step``); a lease's groups and
 seed depend only on the step and the run's seed, so any worker can run it. An issued lease gets a
-ticket; its batch is enqueued only when its receipt says it succeeded. A lease whose worker died
+ticket; its batch is enqueued only when its receipt says it succeeded, and in lease order: the
+learner takes each update's prompt groups from the head of the queue, so a batch of a later step
+that finished first would fill an earlier update and leave the earlier step's batch to a later
+update, too stale for it (dropped, its groups never redone). A lease whose worker died
 goes back to the front of the backlog; a restarted worker takes no lease until a probe answers
 and gets the current policy before its next one. Every prompt group thus reaches the learner
 once, and a rewind (``restored``) drops the tickets in flight, so their late receipts are ignored.
@@ -185,6 +188,8 @@ class JobState:
         self.next_step = self.version
         self.backlog: collections.deque[Lease] = collections.deque()
         self.in_flight: dict[int, InFlight] = {}
+        self.unqueued: collections.deque[int] = collections.deque()  # lease ids, in step order
+        self.held: dict[int, int] = {}  # lease id -> ticket: done, waiting for earlier leases
         self.next_ticket = 0
         self.workers: dict[int, Worker] = {}
         self.next_worker_id = 0  # ids grow; a retired id is never reused
@@ -264,7 +269,9 @@ class JobState:
         if not self.policy_ready:
             return []
         while self.next_step < self.steps and self.version >= self.next_step - self.max_policy_lag:
-            self.backlog.extend(self.leases_of_step(self.next_step))
+            leases = self.leases_of_step(self.next_step)
+            self.backlog.extend(leases)
+            self.unqueued.extend(lease.lease_id for lease in leases)
             self.next_step += 1
         commands: list[Command] = []
         busy = self.busy_workers()
@@ -281,15 +288,16 @@ class JobState:
         return commands
 
     def lease_done(self, ticket: int, receipt: LeaseReceipt) -> list[Command]:
-        """A lease succeeded: its batch is enqueued (unless a rewind dropped the lease); a
-        retiring worker that held it may stop."""
+        """A lease succeeded: its batch is enqueued once every earlier lease's is (unless a
+        rewind dropped the lease); a retiring worker that held it may stop."""
         item = self.in_flight.pop(ticket, None)
         if item is None:
             return []
         self.counters.busy_s += receipt.info.rollout_seconds
         self.counters.worker_cache[item.worker_id] = receipt.cache
         self.counters.peak_rss_bytes = max(self.counters.peak_rss_bytes, receipt.peak_rss_bytes)
-        return [Enqueue(ticket), *self._retire_idle()]
+        self.held[item.lease.lease_id] = ticket
+        return [*self._enqueue_in_order(), *self._retire_idle()]
 
     def lease_lost(self, ticket: int, death: WorkerDeath) -> list[Command]:
         """The worker running lease ``ticket`` died: the lease goes back to the front of the
@@ -317,6 +325,8 @@ class JobState:
         steps see the prompt groups the lost ones saw."""
         self.in_flight.clear()
         self.backlog.clear()
+        self.unqueued.clear()
+        self.held.clear()
         self.next_step = version
         self.consumed = {v: g for v, g in self.consumed.items() if v <= version}
         self.version, self.policy_sent, self.policy_ready = version, True, True
@@ -377,6 +387,13 @@ class JobState:
     def _remove(self, worker_id: int) -> StopWorker:
         del self.workers[worker_id]
         return StopWorker(worker_id)
+
+    def _enqueue_in_order(self) -> list[Command]:
+        """Enqueue the held batches whose earlier leases are all enqueued."""
+        commands: list[Command] = []
+        while self.unqueued and self.unqueued[0] in self.held:
+            commands.append(Enqueue(self.held.pop(self.unqueued.popleft())))
+        return commands
 
     def _retire_idle(self) -> list[Command]:
         """Stop the retiring workers that hold no lease, unless an evaluation runs."""

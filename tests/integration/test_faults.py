@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +16,7 @@ import ray
 from treegrpo_ray.cluster.train import train
 
 pytestmark = pytest.mark.ray
+FINISH_WAIT_S = 420  # from the job's start; within pytest's 600 s per test, with room to stop
 
 
 class RunningJob:
@@ -29,6 +31,7 @@ class RunningJob:
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.deadline = time.monotonic() + FINISH_WAIT_S
         self.caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-calls")
         self.started = threading.Event()
         self.outcome = {}
@@ -59,8 +62,20 @@ class RunningJob:
         self.caller.submit(ray.kill, actor, no_restart=False).result()
 
     def finish(self):
+        """The job's summary once it ends. A job still running ``FINISH_WAIT_S`` after it
+        started is stopped (so that its Ray session ends with this test, not in the next ones)
+        and the test fails with what it had done."""
+        self.thread.join(timeout=max(0.0, self.deadline - time.monotonic()))
+        if self.thread.is_alive():
+            done = self.call("summary")
+            self.call("abort", "the test stopped a job that did not finish")
+            self.thread.join()
+            pytest.fail(
+                f"the job did not finish in {FINISH_WAIT_S} s: {done['steps']} steps recorded, "
+                f"{done['groups/consumed']} prompt groups consumed; workers on versions "
+                f"{done['rollout/worker_versions']}"
+            )
         self.caller.shutdown()
-        self.thread.join(timeout=900)
         if "error" in self.outcome:
             raise self.outcome["error"]
         return self.outcome["summary"]
@@ -88,6 +103,9 @@ def _assert_each_group_once(cfg, summary):
     assert summary["groups/consumed"] == expected
     assert summary["groups/duplicates"] == 0
     assert summary["steps"] == cfg.train.steps
+    # batches reach the queue in step order, so none is too old for the update that takes it
+    records = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert {json.loads(line)["tree/dropped_stale_groups"] for line in records} == {0.0}
 
 
 def test_a_rollout_worker_killed_mid_step_is_restarted_and_its_lease_reissued(job_cfg):

@@ -89,11 +89,17 @@ def test_a_worker_killed_mid_lease_loses_no_group_and_takes_no_lease_until_it_an
     assert commands == [Probe(0)]
     assert state.counters.failures == 1 and state.counters.memory_kills == 1
     assert state.next_leases() == []  # worker 1 busy, worker 0 restarting
-    groups = finish(state, {kept_ticket: leases[kept_ticket]})
+    # the second lease's batch waits for the first's: the learner takes them in step order
+    assert state.lease_done(kept_ticket, receipt(leases[kept_ticket].lease)) == []
     reissued = started(state.next_leases())
     assert [(c.worker_id, c.lease) for c in reissued.values()] == [(1, leases[lost_ticket].lease)]
-    groups += finish(state, reissued)
-    assert sorted(groups) == [0, 1, 2, 3]  # each group once
+    (again,) = reissued
+    assert state.lease_done(again, receipt(reissued[again].lease)) == [
+        Enqueue(again),
+        Enqueue(kept_ticket),
+    ]
+    groups = [g for start in (reissued[again], leases[kept_ticket]) for g, _ in start.lease.groups]
+    assert groups == [0, 1, 2, 3]  # each group once
     state.probe_answered(0)
     state.published(1, groups)
     commands = state.next_leases()
@@ -145,12 +151,29 @@ def test_a_retiring_worker_finishes_its_lease_first():
     state = job(workers=2)
     leases = started(state.next_leases())
     assert state.shrink_to(1) == []  # worker 1 holds a lease
-    ticket = next(t for t, c in leases.items() if c.worker_id == 1)
-    assert state.lease_done(ticket, receipt(leases[ticket].lease)) == [
-        Enqueue(ticket),
-        StopWorker(1),
+    first, second = sorted(leases)  # worker 0's and worker 1's
+    # stopped once its lease is done; the batch waits in the object store for the first lease's
+    assert state.lease_done(second, receipt(leases[second].lease)) == [StopWorker(1)]
+    assert state.lease_done(first, receipt(leases[first].lease)) == [
+        Enqueue(first),
+        Enqueue(second),
     ]
     assert state.add_workers(1) == [StartWorker(2)]  # ids are never reused
+
+
+def test_batches_are_enqueued_in_lease_order_whichever_worker_finishes_first():
+    # Two workers, a lag of 1: worker 0 finishes step 0's first lease and runs step 1's first
+    # lease while worker 1 still runs step 0's second. Enqueued as they finish, step 1's batch
+    # would complete update 1 and leave step 0's second batch (policy 0) to update 2, which
+    # drops it as older than 2 - 1: its groups would never reach the learner.
+    state = job(workers=2, lag=1)
+    step0 = started(state.next_leases())
+    a, b = sorted(step0)
+    assert state.lease_done(a, receipt(step0[a].lease)) == [Enqueue(a)]
+    (c,) = started(state.next_leases()).values()
+    assert c.worker_id == 0 and c.lease == leases_of_step(1)[0]
+    assert state.lease_done(c.ticket, receipt(c.lease)) == []  # waits for step 0's second
+    assert state.lease_done(b, receipt(step0[b].lease)) == [Enqueue(b), Enqueue(c.ticket)]
 
 
 def test_a_restore_with_a_full_queue_drops_the_batches_and_redoes_the_same_groups():
