@@ -81,12 +81,14 @@ class Evaluator:
 
     async def _success_rate(self, snapshot: Snapshot, measurement: Measurement) -> float:
         samples = self.heldout[: measurement.questions]
-        workers = len(await self._wait_for_workers(snapshot))
-        shards = [samples[i::workers] for i in range(workers)]
+        workers = await self._wait_for_workers(snapshot)
+        shards = [samples[i :: len(workers)] for i in range(len(workers))]
         results: dict[int, list[float]] = {}
         todo = list(range(len(shards)))
-        for _ in range(SHARD_ATTEMPTS):
-            sent = await self._send(snapshot, measurement, shards, todo)
+        for attempt in range(SHARD_ATTEMPTS):
+            if attempt:  # a worker died: ask again which ones are on the snapshot
+                workers = await self._wait_for_workers(snapshot)
+            sent = self._send(workers, measurement, shards, todo)
             answers = await asyncio.gather(*sent, return_exceptions=True)
             todo = []
             for shard, answer in zip(sent.values(), answers, strict=True):
@@ -103,15 +105,15 @@ class Evaluator:
             f"{SHARD_ATTEMPTS} times; see the rollout workers' logs"
         )
 
-    async def _send(
+    def _send(
         self,
-        snapshot: Snapshot,
+        workers: list[Any],
         measurement: Measurement,
         shards: list[list[Sample]],
         todo: list[int],
     ) -> dict[ray.ObjectRef, int]:
-        """Send the shards in ``todo`` round-robin to the workers on ``snapshot``."""
-        workers = await self._wait_for_workers(snapshot)
+        """Send the shards in ``todo`` round-robin to ``workers`` (handles of workers on the
+        snapshot, from ``_wait_for_workers`` with no await between: no lease comes first)."""
         return {
             workers[i % len(workers)].evaluate.remote(
                 shards[shard], measurement.temperature, self.seed
