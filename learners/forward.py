@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,6 +92,29 @@ def _tree_mask_for(
             f"model uses {attention}; set ppo.attention"
         )
     return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
+
+
+def compile_decoder_layers(model: Policy) -> int:
+    """Compile each decoder layer of ``model`` (a transformers model, or peft around one) in
+    place, with dynamic shapes (rows vary in length): the layers share code and weights enter as
+    inputs, so one graph (per grad mode and adapter state) serves them all. Returns how many
+    layers. Raises ``UserInputError`` where inductor cannot build CPU kernels (no C++ compiler)."""
+    if next(model.parameters()).device.type == "cpu" and shutil.which("c++") is None:
+        raise UserInputError(
+            "ppo.compile_layers needs a C++ compiler on the learner's node (inductor builds its "
+            "CPU kernels with it; `c++` is not on PATH): install one (e.g. apt install g++) or "
+            "set ppo.compile_layers=false"
+        )
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise UserInputError(
+            f"ppo.compile_layers: {type(model).__name__} names no decoder layer class "
+            "(_no_split_modules); set ppo.compile_layers=false"
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 def attention_implementation(setting: str, device: torch.device) -> str:

@@ -26,7 +26,12 @@ from treegrpo_ray.learners.distributed import (
     sum_stats,
     world,
 )
-from treegrpo_ray.learners.forward import Policy, attention_implementation, packed_logprobs
+from treegrpo_ray.learners.forward import (
+    Policy,
+    attention_implementation,
+    compile_decoder_layers,
+    packed_logprobs,
+)
 from treegrpo_ray.loss import PPOCoefficients, routed_ppo_loss, truncated_is_weights
 from treegrpo_ray.metrics import (
     peak_rss_bytes,
@@ -142,6 +147,8 @@ class Learner:
             self.model = with_lora_adapter(self.model, lora)
         else:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if ppo.compile_layers:
+            compile_decoder_layers(self.model)
         self.model.train()
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(trainable, lr=ppo.lr)

@@ -68,6 +68,7 @@ class OneDNNLinears:
 
     def __init__(self, model: torch.nn.Module, batch_hint: int = 16, gradients: bool = False):
         self.forwards: dict[torch.nn.Linear, Any] = {}
+        self.frozen: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused: list[_Fused] = []
         layers = {
             name: layer
@@ -83,8 +84,10 @@ class OneDNNLinears:
             if not gradients:
                 self.forwards[layer] = _Inference(_pack(layer.weight, batch_hint), bias)
             elif _frozen(layer):
-                transposed = _pack(layer.weight.t(), batch_hint)
-                self.forwards[layer] = _Frozen(_pack(layer.weight, batch_hint), transposed, bias)
+                self.frozen[layer] = (
+                    _pack(layer.weight, batch_hint),
+                    _pack(layer.weight.t(), batch_hint),
+                )
 
     def _fuse(self, layers: dict[str, torch.nn.Linear], batch_hint: int) -> None:
         """Pack each group of ``FUSED_ROLES`` siblings as one matrix (``_Fused``)."""
@@ -112,11 +115,17 @@ class OneDNNLinears:
         """Within the block, each packed layer computes through its packed copy."""
         for layer, forward in self.forwards.items():
             layer.forward = forward  # type: ignore[method-assign]  # an instance override
+        for layer, packs in self.frozen.items():
+            layer.__class__ = _FrozenPackedLinear
+            _FROZEN[_key(layer.weight)] = packs
         try:
             yield
         finally:
             for layer in self.forwards:
                 del layer.forward  # back to the class's own forward
+            for layer in self.frozen:
+                layer.__class__ = torch.nn.Linear
+                del _FROZEN[_key(layer.weight)]
             for group in self.fused:
                 group.forget()
 
@@ -172,22 +181,55 @@ class _Fused:
         self._input = self._output = None
 
 
-class _Frozen:
-    """A frozen layer's forward whose input gradient flows: ``grad_x = grad_y @ W``."""
+class _FrozenPackedLinear(torch.nn.Linear):
+    """A frozen layer within ``active()``: its forward reads the packed copies, its input gradient
+    flows (``grad_x = grad_y @ W``, from the packed transpose). The matmuls are opaque ops
+    (``treegrpo::frozen_linear``) that find the copies by the weight's storage, so
+    ``torch.compile`` traces a layer of this class as a weight input and one op: a compiled
+    decoder layer's graph serves every layer (``ppo.compile_layers``)."""
 
-    def __init__(self, packed: torch.Tensor, transposed: torch.Tensor, bias: torch.Tensor | None):
-        self.packed, self.transposed, self.bias = packed, transposed, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _FrozenLinear.apply(x, self)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = frozen_linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
-class _FrozenLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: _Frozen) -> torch.Tensor:
-        ctx.layer = layer
-        return _linear(x, layer.packed, layer.bias)
+# The packed copies (weight, transpose) of the frozen layers of the active ``OneDNNLinears``, by
+# their weight's storage address.
+_FROZEN: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _linear(grad.contiguous(), ctx.layer.transposed, None), None
+
+def _key(weight: torch.Tensor) -> int:
+    return weight.untyped_storage().data_ptr() + weight.storage_offset() * weight.element_size()
+
+
+@torch.library.custom_op("treegrpo::frozen_linear", mutates_args=())
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` from the packed copy of a frozen ``weight``: x (..., in) -> (..., out)."""
+    return _linear(x, _FROZEN[_key(weight)][0], None)
+
+
+@torch.library.custom_op("treegrpo::frozen_linear_input_grad", mutates_args=())
+def frozen_linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad @ weight`` from the packed transpose: grad (..., out) -> (..., in)."""
+    return _linear(grad.contiguous(), _FROZEN[_key(weight)][1], None)
+
+
+@frozen_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@frozen_linear_input_grad.register_fake
+def _(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty((*grad.shape[:-1], weight.shape[1]))
+
+
+def _save_weight(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: Any) -> None:
+    ctx.weight = inputs[1]
+
+
+def _input_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return frozen_linear_input_grad(grad, ctx.weight), None
+
+
+frozen_linear.register_autograd(_input_grad, setup_context=_save_weight)

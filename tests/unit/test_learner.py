@@ -285,27 +285,39 @@ def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, untrained_policy):
             assert tensor.data_ptr() != weights[name].data_ptr()
 
 
+def _updates_off_and_on(tiny_cfg, policy, lora, setting, watch):
+    """One update of 4 prompts' trees by a fresh learner with ``ppo.<setting>`` off, then on:
+    per arm ``(metrics, gradients of the trainable parameters, watched)``, where
+    ``watch(learner)``, called before the update, returns what to call after it."""
+    from treegrpo_ray.config import LoraSettings
+
+    trees = _trees(tiny_cfg, policy, prompts=4)
+    results = []
+    for on in (False, True):
+        ppo = tiny_cfg.ppo.model_copy(update={setting: on})
+        learner = Learner(policy, ppo, temperature=1.0, lora=LoraSettings(enabled=lora, rank=8))
+        watched = watch(learner)
+        metrics = learner.update(trees)
+        grads = {k: p.grad for k, p in learner.model.named_parameters() if p.requires_grad}
+        results.append((metrics, grads, watched()))
+    return results
+
+
+def _grad_mode_calls_of_layer_0(learner):
+    calls = []
+    learner.model.get_decoder().layers[0].register_forward_pre_hook(
+        lambda *_: calls.append(torch.is_grad_enabled())
+    )
+    return lambda: calls.count(True)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_checkpointing_recomputes_layers_and_keeps_loss_and_gradients(
     tiny_cfg, untrained_policy, lora
 ):
-    from treegrpo_ray.config import LoraSettings
-
-    trees = _trees(tiny_cfg, untrained_policy, prompts=4)
-    settings = LoraSettings(enabled=lora, rank=8)
-    results = []
-    for checkpointing in (False, True):
-        ppo = tiny_cfg.ppo.model_copy(update={"activation_checkpointing": checkpointing})
-        learner = Learner(untrained_policy, ppo, temperature=1.0, lora=settings)
-        layer = learner.model.get_decoder().layers[0]
-        calls = []
-        layer.register_forward_pre_hook(
-            lambda *_, calls=calls: calls.append(torch.is_grad_enabled())
-        )
-        metrics = learner.update(trees)
-        grads = {k: p.grad for k, p in learner.model.named_parameters() if p.requires_grad}
-        results.append((metrics, grads, calls.count(True)))
-    (plain, plain_grads, plain_calls), (saved, saved_grads, saved_calls) = results
+    (plain, plain_grads, plain_calls), (saved, saved_grads, saved_calls) = _updates_off_and_on(
+        tiny_cfg, untrained_policy, lora, "activation_checkpointing", _grad_mode_calls_of_layer_0
+    )
     # the backward started the layer's forward once more per row (recomputation stops early)
     assert saved_calls == 2 * plain_calls > 0
     assert saved["learner/loss"] == pytest.approx(plain["learner/loss"], abs=1e-6)
@@ -319,3 +331,37 @@ def test_flex_attention_on_a_cpu_learner_is_refused_with_the_fix(tiny_cfg, untra
     ppo = tiny_cfg.ppo.model_copy(update={"attention": "flex"})
     with pytest.raises(UserInputError, match="ppo.attention=flex.*CUDA.*auto or sdpa"):
         Learner(untrained_policy, ppo, temperature=1.0, device="cpu")
+
+
+def _graphs_compiled(learner):
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    return lambda: counters["stats"]["unique_graphs"] - before
+
+
+@pytest.mark.slow  # inductor compiles a layer's forward and backward: ~1 min on 2 cores
+@pytest.mark.parametrize("lora", [False, True])
+def test_compiled_layers_give_the_eager_loss_and_gradients_from_one_graph(
+    tiny_cfg, untrained_policy, lora
+):
+    (eager, eager_grads, eager_graphs), (compiled, compiled_grads, graphs) = _updates_off_and_on(
+        tiny_cfg, untrained_policy, lora, "compile_layers", _graphs_compiled
+    )
+    # one graph serves every layer: per grad mode and input (a LoRA policy: its reference pass,
+    # adapter off; layer 0's input from the frozen embedding; the later layers'), not per layer
+    assert eager_graphs == 0 and graphs == (3 if lora else 1)
+    assert compiled["learner/loss"] == pytest.approx(eager["learner/loss"], abs=1e-5)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_compiled_layers_without_a_cpp_compiler_are_refused_with_the_fix(
+    tiny_cfg, untrained_policy, tmp_path, monkeypatch
+):
+    from treegrpo_ray.errors import UserInputError
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a node without c++
+    ppo = tiny_cfg.ppo.model_copy(update={"compile_layers": True})
+    with pytest.raises(UserInputError, match="C\\+\\+ compiler.*ppo.compile_layers=false"):
+        Learner(untrained_policy, ppo, temperature=1.0)

@@ -53,8 +53,8 @@ def test_a_lora_policy_gets_the_same_adapter_gradients_through_its_packed_frozen
     expected = _adapter_gradients(model, ids)
     packed = OneDNNLinears(model, gradients=True)
     adapters = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.requires_grad]
-    assert adapters and not set(adapters) & set(packed.forwards)  # they keep torch's path
-    assert len(packed.forwards) == 4 * 2 + 3 * 2 + 1  # attention, MLP base layers; LM head
+    assert adapters and not set(adapters) & set(packed.frozen)  # they keep torch's path
+    assert len(packed.frozen) == 4 * 2 + 3 * 2 + 1  # attention, MLP base layers; LM head
     with packed.active():
         got = _adapter_gradients(model, ids)
     assert got.keys() == expected.keys()

@@ -528,6 +528,14 @@ class PPOConfig(_Section):
         "of keeping them (transformers' gradient checkpointing): activation memory of one "
         "layer instead of all, at the cost of a second forward; same loss and gradients.",
     )
+    compile_layers: bool = Field(
+        False,
+        description="Compile each decoder layer with torch.compile (inductor, dynamic shapes; "
+        "on CPU it needs a C++ compiler): norms, rotary, activations and the LoRA adds fused, "
+        "forward and backward, one graph for all layers. The first update pays the compile "
+        "(~30 s on 2 cores, then cached by inductor); measured 1.22x per update on the "
+        "SmolLM2 preset (README).",
+    )
     onednn_linears: bool = Field(
         True,
         description="A float32 learner on CPU computes its frozen linear layers (a LoRA "
