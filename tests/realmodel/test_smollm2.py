@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,8 @@ TEST_OVERRIDES = [
     "task.search_qa.max_turns=3",
     "task.search_qa.top_k=1",  # one passage per search: shorter prompts, same protocol
     "sampling.max_action_tokens=32",
+    # the preset compiles its learner's layers where inductor can build CPU kernels
+    f"ppo.compile_layers={shutil.which('c++') is not None}",
 ]
 
 
