@@ -533,7 +533,7 @@ class PPOConfig(_Section):
         description="Compile each decoder layer with torch.compile (inductor, dynamic shapes; "
         "on CPU it needs a C++ compiler): norms, rotary, activations and the LoRA adds fused, "
         "forward and backward, one graph for all layers. The first update pays the compile "
-        "(~30 s on 2 cores, then cached by inductor); measured 1.22x per update on the "
+        "(~30 s on 2 cores, then cached by inductor); measured 1.21x per update on the "
         "SmolLM2 preset (README).",
     )
     onednn_linears: bool = Field(
