@@ -199,7 +199,9 @@ _FROZEN: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _key(weight: torch.Tensor) -> int:
-    return weight.untyped_storage().data_ptr() + weight.storage_offset() * weight.element_size()
+    return (
+        weight.untyped_storage().data_ptr() + int(weight.storage_offset()) * weight.element_size()
+    )
 
 
 @torch.library.custom_op("treegrpo::frozen_linear", mutates_args=())
