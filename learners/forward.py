@@ -94,11 +94,11 @@ def _tree_mask_for(
     return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
 
 
-def compile_decoder_layers(model: Policy) -> int:
+def compile_decoder_layers(model: Policy) -> None:
     """Compile each decoder layer of ``model`` (a transformers model, or peft around one) in
     place, with dynamic shapes (rows vary in length): the layers share code and weights enter as
-    inputs, so one graph (per grad mode and adapter state) serves them all. Returns how many
-    layers. Raises ``UserInputError`` where inductor cannot build CPU kernels (no C++ compiler)."""
+    inputs, so one graph (per grad mode and adapter state) serves them all. Raises
+    ``UserInputError`` where inductor cannot build CPU kernels (no C++ compiler)."""
     if next(model.parameters()).device.type == "cpu" and shutil.which("c++") is None:
         raise UserInputError(
             "ppo.compile_layers needs a C++ compiler on the learner's node (inductor builds its "
@@ -114,7 +114,6 @@ def compile_decoder_layers(model: Policy) -> int:
         )
     for layer in layers:
         layer.compile(dynamic=True)
-    return len(layers)
 
 
 def attention_implementation(setting: str, device: torch.device) -> str:
