@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from treegrpo_ray.errors import UserInputError
-from treegrpo_ray.packing import PackedBatch
-from treegrpo_ray.tree_attention import TREE_FLEX
+from treegrpo_ray.packing import PackedBatch, TreeBlockPlan
+from treegrpo_ray.tree_attention import TREE_BLOCK, TREE_BLOCKS, TREE_FLEX
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -54,9 +54,9 @@ def packed_logprobs(
     Action token t reads the logits at ``batch.prev_index[row, t]``; the LM head runs only at
     those positions (``logits_to_keep``). Returns ``(logprobs, entropy)``, both (T,) float32 on
     the batch's device, 0 off action tokens, under ``softmax(logits / temperature)``. The model
-    must use ``sdpa``, ``eager`` or ``tree_flex`` (``treegrpo_ray.tree_attention``; see ``treegrpo_ray.packing``); a dense
-    tree mask is built in ``mask_dtype`` (default: the model's), the dtype its attention computes
-    in.
+    must use ``sdpa``, ``eager``, ``tree_flex`` or ``tree_blocks`` (``treegrpo_ray.tree_attention``;
+    see ``treegrpo_ray.packing``); a dense or block tree mask is built in ``mask_dtype`` (default:
+    the model's), the dtype its attention computes in.
     """
     n = batch.row_length(row)
     input_ids = batch.input_ids[row, :n]
@@ -65,7 +65,7 @@ def packed_logprobs(
     predictors, which = torch.unique(batch.prev_index[row, pos], return_inverse=True)
     logits = model(
         input_ids=input_ids[None],
-        attention_mask=_tree_mask_for(model, batch, row, mask_dtype),
+        **_tree_attention_inputs(model, batch, row, mask_dtype),
         position_ids=batch.position_ids[row, None, :n],
         use_cache=False,
         logits_to_keep=predictors,
@@ -79,19 +79,26 @@ def packed_logprobs(
     return logprobs, entropy
 
 
-def _tree_mask_for(
+def _tree_attention_inputs(
     model: Policy, batch: PackedBatch, row: int, dtype: torch.dtype | None
-) -> torch.Tensor | BlockMask:
-    """The tree mask of packed ``row`` in the form ``model``'s attention takes."""
+) -> dict[str, torch.Tensor | BlockMask | TreeBlockPlan | None]:
+    """The tree mask of packed ``row`` as the forward's keyword arguments, in the form
+    ``model``'s attention takes."""
     attention = model.config._attn_implementation
+    dtype = dtype or next(model.parameters()).dtype
     if attention == TREE_FLEX:
-        return batch.flex_block_mask(row)
+        return {"attention_mask": batch.flex_block_mask(row)}
+    if attention == TREE_BLOCKS:
+        return {
+            "attention_mask": None,
+            "tree_blocks": batch.tree_block_plan(row, dtype, TREE_BLOCK),
+        }
     if attention not in ("sdpa", "eager"):
         raise ValueError(
-            f"packed training needs sdpa, eager or {TREE_FLEX} attention (a tree mask), the "
-            f"model uses {attention}; set ppo.attention"
+            f"packed training needs sdpa, eager, {TREE_FLEX} or {TREE_BLOCKS} attention (a tree "
+            f"mask), the model uses {attention}; set ppo.attention"
         )
-    return batch.attention_bias(row, dtype or next(model.parameters()).dtype)
+    return {"attention_mask": batch.attention_bias(row, dtype)}
 
 
 def compile_decoder_layers(model: Policy) -> None:
@@ -123,6 +130,11 @@ def attention_implementation(setting: str, device: torch.device) -> str:
             f"ppo.attention=flex needs a CUDA learner (this one is on {device.type}): PyTorch's "
             "flex_attention has no backward pass there; set ppo.attention to auto or sdpa"
         )
+    if setting == "blocks" and device.type == "cuda":
+        raise UserInputError(
+            "ppo.attention=blocks is the CPU's block-sparse kernel; on CUDA set ppo.attention to "
+            "auto or flex (flex_attention skips the hidden blocks there)"
+        )
     if setting in ("flex", "auto") and device.type == "cuda":
         return TREE_FLEX
-    return "sdpa"
+    return TREE_BLOCKS if setting == "blocks" else "sdpa"

@@ -114,6 +114,49 @@ def expand_paths(trees: list[Tree], pad_token_id: int) -> PathBatch:
     )
 
 
+# Above this share of a row's n² (query, key) pairs, block-sparse tree attention runs the dense
+# mask instead: on the SmolLM2 preset's packed trees (benchmarks/tree_block_attention.py, README),
+# chunks keeping 0.41-0.56 of the pairs ran forward + backward in 0.72-0.90 of the dense time
+# (0.49 and 0.61 on the shortest row, 545 tokens: 1.01).
+DENSE_SHARE = 0.6
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, the dtype's lowest finite value elsewhere (as transformers' masks)."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _seen_key_blocks(allowed: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """Per chunk of ``block`` queries of the (n, n) mask ``allowed``: the key positions (long,
+    ascending) of the ``block``-token key blocks where the chunk sees at least one pair."""
+    n = allowed.shape[0]
+    chunks = -(-n // block)
+    padded = torch.nn.functional.pad(allowed, (0, chunks * block - n, 0, chunks * block - n))
+    seen = padded.view(chunks, block, chunks, block).any(dim=3).any(dim=1)  # (C, C)
+    positions = torch.arange(chunks * block, device=allowed.device).view(chunks, block)
+    keys = [positions[seen[c]].flatten() for c in range(chunks)]
+    return [k[k < n] for k in keys]
+
+
+@dataclass(frozen=True)
+class TreeBlockPlan:
+    """A packed row's tree mask as chunks of consecutive queries, each over only the keys of
+    the blocks it sees anything in: what block-sparse tree attention
+    (``treegrpo_ray.tree_attention``) computes, chunk by chunk, instead of all n² pairs.
+
+    Chunk c holds queries ``query_offsets[c]:query_offsets[c + 1]`` (q_c of them) and keys
+    ``key_index[key_offsets[c]:key_offsets[c + 1]]`` (k_c token positions, ascending); its
+    additive mask (q_c, k_c) is the next q_c * k_c entries of ``bias``, chunks in order.
+    query_offsets, key_offsets: (C + 1,) long; key_index: (sum k_c,) long; bias: (sum q_c k_c,).
+    """
+
+    query_offsets: torch.Tensor
+    key_offsets: torch.Tensor
+    key_index: torch.Tensor
+    bias: torch.Tensor
+
+
 @dataclass
 class PackedBatch:
     """Trees packed into R rows of width T, each unique token once (but the context of split
@@ -208,14 +251,42 @@ class PackedBatch:
         itself = torch.eye(self.segment.shape[1], dtype=torch.bool, device=seen.device)
         return seen.tril() | itself
 
+    def _allowed(self, row: int) -> torch.Tensor:
+        """(n, n) bool: ``tree_mask`` over the n real tokens of ``row``."""
+        n = self.row_length(row)
+        segment = self.segment[row, :n]
+        return self.segment_visible[row, segment[:, None], segment[None, :]].tril()
+
     def attention_bias(self, row: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (1, 1, n, n) over the n real tokens of ``row``: 0 where ``tree_mask``
         allows attention, the dtype's lowest finite value elsewhere."""
-        n = self.row_length(row)
-        segment = self.segment[row, :n]
-        allowed = self.segment_visible[row, segment[:, None], segment[None, :]].tril()
-        bias = torch.zeros((1, 1, n, n), dtype=dtype, device=allowed.device)
-        return bias.masked_fill(~allowed, torch.finfo(dtype).min)
+        return _additive(self._allowed(row), dtype)[None, None]
+
+    def tree_block_plan(
+        self, row: int, dtype: torch.dtype, block: int, dense_share: float = DENSE_SHARE
+    ) -> TreeBlockPlan:
+        """``row``'s tree mask cut into chunks of ``block`` queries, each with only the key
+        blocks where it sees something (its ancestors' blocks; see ``TreeBlockPlan``). Where
+        that leaves more than ``dense_share`` of the n² pairs, one chunk of all queries and
+        keys: the dense mask, which the kernel then runs faster in one piece."""
+        allowed = self._allowed(row)
+        n = allowed.shape[0]
+        query_starts = list(range(0, n, block))
+        keys = _seen_key_blocks(allowed, block)
+        pairs = sum(min(block, n - q) * len(k) for q, k in zip(query_starts, keys, strict=True))
+        if pairs > dense_share * n * n:
+            query_starts, keys = [0], [torch.arange(n, device=allowed.device)]
+        ends = [*query_starts[1:], n]
+        biases = [
+            _additive(allowed[q:e, k], dtype).flatten()
+            for q, e, k in zip(query_starts, ends, keys, strict=True)
+        ]
+        return TreeBlockPlan(
+            query_offsets=torch.tensor([*query_starts, n]),
+            key_offsets=torch.tensor([0, *[len(k) for k in keys]]).cumsum(0),
+            key_index=torch.cat(keys),
+            bias=torch.cat(biases),
+        )
 
     def flex_block_mask(self, row: int) -> BlockMask:
         """``attention_bias`` of ``row`` as a flex-attention ``BlockMask`` (1, 1, n, n): the mask

@@ -286,16 +286,17 @@ def test_weights_go_to_the_engine_in_its_dtype(tiny_cfg, untrained_policy):
             assert tensor.data_ptr() != weights[name].data_ptr()
 
 
-def _updates_off_and_on(tiny_cfg, policy, lora, setting, watch):
-    """One update of 4 prompts' trees by a fresh learner with ``ppo.<setting>`` off, then on:
-    per arm ``(metrics, gradients of the trainable parameters, watched)``, where
-    ``watch(learner)``, called before the update, returns what to call after it."""
+def _updates_off_and_on(tiny_cfg, policy, lora, setting, watch, values=(False, True)):
+    """One update of 4 prompts' trees by a fresh learner with ``ppo.<setting>`` off, then on
+    (or at each of ``values``): per arm ``(metrics, gradients of the trainable parameters,
+    watched)``, where ``watch(learner)``, called before the update, returns what to call after
+    it."""
     from treegrpo_ray.config import LoraSettings
 
     trees = _trees(tiny_cfg, policy, prompts=4)
     results = []
-    for on in (False, True):
-        ppo = tiny_cfg.ppo.model_copy(update={setting: on})
+    for value in values:
+        ppo = tiny_cfg.ppo.model_copy(update={setting: value})
         learner = Learner(policy, ppo, temperature=1.0, lora=LoraSettings(enabled=lora, rank=8))
         watched = watch(learner)
         metrics = learner.update(trees)
@@ -334,6 +335,42 @@ def test_flex_attention_on_a_cpu_learner_is_refused_with_the_fix(tiny_cfg, untra
         Learner(untrained_policy, ppo, temperature=1.0, device="cpu")
 
 
+def test_the_cpu_block_attention_on_a_cuda_learner_is_refused_with_the_fix():
+    from treegrpo_ray.errors import UserInputError
+    from treegrpo_ray.learners.forward import attention_implementation
+
+    with pytest.raises(UserInputError, match="ppo.attention=blocks.*CPU.*auto or flex"):
+        attention_implementation("blocks", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_block_attention_gives_the_dense_masks_loss_and_gradients(
+    tiny_cfg, untrained_policy, lora, monkeypatch
+):
+    from treegrpo_ray import tree_attention
+
+    chunks_per_call = []
+
+    def chunk_counts(learner):
+        def counted(*plan):
+            chunks = real(*plan)
+            chunks_per_call.append(len(chunks))
+            return chunks
+
+        real = tree_attention._chunks
+        monkeypatch.setattr(tree_attention, "_chunks", counted)
+        return lambda: max(chunks_per_call, default=0)
+
+    (dense, dense_grads, _), (blocks, blocks_grads, most_chunks) = _updates_off_and_on(
+        tiny_cfg, untrained_policy, lora, "attention", chunk_counts, values=("sdpa", "blocks")
+    )
+    # some rows were cut into chunks that skip hidden blocks, not all run as one dense chunk
+    assert most_chunks > 1
+    assert blocks["learner/loss"] == pytest.approx(dense["learner/loss"], abs=1e-6)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(blocks_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def _graphs_compiled(learner):
     from torch._dynamo.utils import counters
 
@@ -344,14 +381,21 @@ def _graphs_compiled(learner):
 @pytest.mark.slow  # inductor compiles a layer's forward and backward: ~20 s each on 2 cores
 @pytest.mark.skipif(shutil.which("c++") is None, reason="inductor builds CPU kernels with c++")
 @pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("attention", ["sdpa", "blocks"])
 def test_compiled_layers_give_the_eager_loss_and_gradients_from_one_graph(
-    tiny_cfg, untrained_policy, lora
+    tiny_cfg, untrained_policy, lora, attention
 ):
+    ppo = tiny_cfg.ppo.model_copy(update={"attention": attention})
     (eager, eager_grads, eager_graphs), (compiled, compiled_grads, graphs) = _updates_off_and_on(
-        tiny_cfg, untrained_policy, lora, "compile_layers", _graphs_compiled
+        tiny_cfg.model_copy(update={"ppo": ppo}),
+        untrained_policy,
+        lora,
+        "compile_layers",
+        _graphs_compiled,
     )
     # one graph serves every layer: per grad mode and input (a LoRA policy: its reference pass,
-    # adapter off; layer 0's input from the frozen embedding; the later layers'), not per layer
+    # adapter off; layer 0's input from the frozen embedding; the later layers'), not per layer;
+    # block attention's custom op is one node of it
     assert eager_graphs == 0 and graphs == (3 if lora else 1)
     assert compiled["learner/loss"] == pytest.approx(eager["learner/loss"], abs=1e-5)
     for name, grad in eager_grads.items():

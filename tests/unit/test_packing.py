@@ -13,7 +13,7 @@ from treegrpo_ray.loss import PPOCoefficients, ppo_loss, routed_ppo_loss
 from treegrpo_ray.modeling import build_tiny_model
 from treegrpo_ray.packing import PackedBatch, expand_paths, pack_trees
 from treegrpo_ray.tree import ROOT, Tree
-from treegrpo_ray.tree_attention import TREE_FLEX
+from treegrpo_ray.tree_attention import TREE_BLOCKS, TREE_FLEX
 
 VOCAB = 40
 COMMON = dict(policy_version=0, role="search", tool_call=False, finish_reason="stop")
@@ -242,7 +242,7 @@ def test_split_trees_train_each_node_once_and_trees_that_fit_stay_whole(seed):
         assert torch.equal(batch.tree_mask[row, span, span], alone.tree_mask[0])
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", TREE_FLEX])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", TREE_FLEX, TREE_BLOCKS])
 @pytest.mark.parametrize(
     "seed,depth,branches,budget",
     # budget None: the longest path, which splits trees
@@ -470,3 +470,86 @@ def test_flex_gives_the_dense_logprobs_with_three_query_heads_per_key_head():
                 0
             ]
     torch.testing.assert_close(logprobs[TREE_FLEX], logprobs["sdpa"], atol=1e-5, rtol=0)
+
+
+def test_the_tree_block_plan_of_the_hand_tree_skips_its_hidden_blocks():
+    """Blocks of 2 over the hand tree's 8 tokens (mask above): queries 6, 7 (node c) see the
+    prompt's block and their own, not a -> b's blocks 1 and 2."""
+    batch = pack_trees([_hand_tree()], micro_batch_tokens=16, pad_token_id=0)
+    plan = batch.tree_block_plan(0, torch.float32, block=2)
+    assert plan.query_offsets.tolist() == [0, 2, 4, 6, 8]
+    assert plan.key_offsets.tolist() == [0, 2, 6, 12, 16]
+    assert plan.key_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 6, 7]
+    last_chunk = plan.bias[-8:].view(2, 4) == 0
+    assert last_chunk.tolist() == [[True, True, True, False], [True, True, True, True]]
+    # 32 of the 64 pairs: above a share of 0.4, the one dense chunk
+    dense = batch.tree_block_plan(0, torch.float32, block=2, dense_share=0.4)
+    assert dense.query_offsets.tolist() == [0, 8] and dense.key_offsets.tolist() == [0, 8]
+    assert torch.equal(dense.bias.view(1, 1, 8, 8), batch.attention_bias(0, torch.float32))
+
+
+def _plan_as_dense(plan, n):
+    """The (n, n) pairs a ``TreeBlockPlan`` allows, every other pair False."""
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    queries, keys, start = plan.query_offsets.tolist(), plan.key_offsets.tolist(), 0
+    for c in range(len(queries) - 1):
+        rows = torch.arange(queries[c], queries[c + 1])
+        cols = plan.key_index[keys[c] : keys[c + 1]]
+        size = len(rows) * len(cols)
+        allowed[rows[:, None], cols[None, :]] = (
+            plan.bias[start : start + size].view(len(rows), len(cols)) == 0
+        )
+        start += size
+    assert start == plan.bias.numel()
+    return allowed
+
+
+@pytest.mark.parametrize("seed,budget", [(0, 64), (2, 512), (5, None)])
+def test_the_tree_block_plan_keeps_every_pair_of_the_dense_mask(seed, budget):
+    """On every row (trees packed together, split trees' pieces), the chunks' keys and masks
+    allow exactly the dense mask's pairs, while leaving out key blocks below the diagonal."""
+    trees = _forest(seed, trees=4, depth=4, branches=4)
+    batch = pack_trees(trees, budget or _longest_path(trees), pad_token_id=0)
+    skipped_hidden_blocks = False
+    for row in range(batch.num_rows):
+        n = batch.row_length(row)
+        plan = batch.tree_block_plan(row, torch.float32, block=8, dense_share=1.0)
+        assert torch.equal(_plan_as_dense(plan, n), batch.tree_mask[row, :n, :n])
+        causal_blocks = sum(min(8, n - q) * min(n, q + 8) for q in range(0, n, 8))
+        skipped_hidden_blocks |= plan.bias.numel() < causal_blocks
+    assert skipped_hidden_blocks
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
+def test_block_attention_gives_the_dense_logits_and_gradients(heads, kv_heads):
+    """tree_blocks (chunks of 8 queries over their key blocks) against sdpa's dense mask, on a
+    row of 4 trees: the same logits, and after a backward the same gradient of every weight."""
+    trees = _forest(3, trees=4, depth=4, branches=4)
+    batch = pack_trees(trees, 4096, pad_token_id=0)
+    n = batch.row_length(0)
+    plan = batch.tree_block_plan(0, torch.float32, block=8, dense_share=1.0)
+    assert len(plan.query_offsets) - 1 == -(-n // 8) and plan.bias.numel() < n * n / 2
+    inputs = {
+        "sdpa": {"attention_mask": batch.attention_bias(0, torch.float32)},
+        TREE_BLOCKS: {"attention_mask": None, "tree_blocks": plan},
+    }
+    shape = TinyModelConfig(
+        hidden_size=8 * heads,
+        num_layers=2,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=64,
+    )
+    logits, grads = {}, {}
+    for attention, mask in inputs.items():
+        model = build_tiny_model(shape, vocab_size=VOCAB, seed=3)
+        model.set_attn_implementation(attention)
+        out = model(
+            input_ids=batch.input_ids[:, :n], position_ids=batch.position_ids[:, :n], **mask
+        ).logits
+        out.square().mean().backward()
+        logits[attention] = out.detach()
+        grads[attention] = [p.grad for p in model.parameters()]
+    torch.testing.assert_close(logits[TREE_BLOCKS], logits["sdpa"], atol=1e-5, rtol=0)
+    for blocks, dense in zip(grads[TREE_BLOCKS], grads["sdpa"], strict=True):
+        torch.testing.assert_close(blocks, dense, atol=1e-6, rtol=1e-4)

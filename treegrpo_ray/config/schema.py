@@ -514,13 +514,15 @@ class PPOConfig(_Section):
         "forwards run under bfloat16 autocast, log-probs and the loss are taken in float32; the "
         "GPU presets' choice (on a CPU without bfloat16 matrix units it is slower, not faster).",
     )
-    attention: Literal["auto", "sdpa", "flex"] = Field(
+    attention: Literal["auto", "sdpa", "flex", "blocks"] = Field(
         "auto",
         description="How a packed row's tree mask reaches attention. sdpa: a dense additive "
-        "mask (row length squared entries, so PyTorch's flash kernel cannot run); flex: "
-        "PyTorch's flex_attention with a block mask built from the tree (each token sees its "
-        "ancestors), blocks with nothing visible skipped, compiled on first use; auto: flex on "
-        "CUDA, sdpa elsewhere (on CPU the dense mask is the faster one).",
+        "mask (all row length squared pairs computed); flex: PyTorch's flex_attention with a "
+        "block mask built from the tree (each token sees its ancestors), blocks with nothing "
+        "visible skipped, compiled on first use (CUDA only: no CPU backward in torch 2.13); "
+        "blocks (CPU): the flash kernel chunk by chunk over only the key blocks each chunk of "
+        "64 queries sees (the dense mask where chunks would keep over 0.6 of the pairs); auto: "
+        "flex on CUDA, sdpa elsewhere.",
     )
     activation_checkpointing: bool = Field(
         False,
