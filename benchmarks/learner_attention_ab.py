@@ -7,7 +7,8 @@ a few updates of each other and the same background load; the first update of ea
 (compiles). Printed per update: the reference pass and the optimisation seconds; at the end
 their medians per arm.
 
-    python -m benchmarks.learner_attention_ab --step 30 [--run benchmarks/results/smollm2-search-qa-v4]
+    python -m benchmarks.learner_attention_ab --step 30 \
+        [--run benchmarks/results/smollm2-search-qa-v4]
 """
 
 from __future__ import annotations

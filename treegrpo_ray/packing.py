@@ -18,10 +18,12 @@ model's dtype); ``sdpa`` passes it to ``torch.nn.functional.scaled_dot_product_a
 ``attn_mask``, which takes a boolean or an additive mask and disables ``is_causal``. So
 ``PackedBatch.attention_bias`` (additive, finite minimum as transformers' own eager masks) is
 exact for both; explicit ``position_ids`` feed the rotary embeddings. ``tree_flex``
-(``treegrpo_ray.tree_attention``) takes ``PackedBatch.flex_block_mask`` instead: the same tree mask as a function of two token indices,
-never materialised (n² entries), whose blocks with no allowed pair are skipped. Flash-attention
-kernels take neither. A 4D mask is also used as is by sliding-window layers, so models with
-sliding-window attention would lose their window.
+(``treegrpo_ray.tree_attention``) takes ``PackedBatch.flex_block_mask`` instead: the same tree
+mask as a function of two token indices, never materialised (n² entries), whose blocks with no
+allowed pair are skipped; ``tree_blocks`` takes ``PackedBatch.tree_block_plan`` (as the
+forward's keyword ``tree_blocks``): the mask's blocks that have an allowed pair, chunk by chunk.
+A 4D mask is also used as is by sliding-window layers, so models with sliding-window attention
+would lose their window.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ The mask it takes is ``PackedBatch.flex_block_mask``.
 
 ``tree_blocks`` is the CPU's: flex_attention has no backward there (torch 2.13), and a dense
 mask makes PyTorch's CPU flash kernel compute all n² pairs of a packed row, most of which the
-tree hides (a token sees its ancestors, not its cousins: on the SmolLM2 preset's rows ~30% of
-the causal half). It runs the same flash kernel chunk by chunk, each chunk of queries over only
+tree hides (a token sees its ancestors, not its cousins: on the SmolLM2 preset's rows 0.3-0.75
+of the causal half). It runs the same flash kernel chunk by chunk, each chunk of queries over only
 the key blocks it sees (``PackedBatch.tree_block_plan``), forward and backward, as one opaque
 custom op: compiled decoder layers keep one graph. The plan comes as the keyword argument
 ``tree_blocks`` of the model's forward (transformers hands unknown keyword arguments down to
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 TREE_FLEX = "tree_flex"
 TREE_BLOCKS = "tree_blocks"
-# Queries per chunk, and the key block size, of tree_blocks: of 32, 64 and 128, 64 ran the SmolLM2
-# preset's rows fastest or within 4% of it, forward and backward (benchmarks/tree_block_attention.py).
+# Queries per chunk, and the key block size, of tree_blocks: of 32, 64 and 128, 64 ran the
+# SmolLM2 preset's rows fastest or within 6% of the fastest, forward and backward
+# (benchmarks/tree_block_attention.py).
 TREE_BLOCK = 64
 
 
