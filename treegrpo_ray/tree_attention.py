@@ -96,10 +96,8 @@ def tree_block_attention(
             "tree_blocks (PackedBatch.tree_block_plan) and no attention_mask"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    plan = tree_blocks
-    out, _ = block_attention(
-        query, key, value, plan.query_offsets, plan.key_offsets, plan.key_index, plan.bias, scale
-    )
+    plan = (tree_blocks.query_offsets, tree_blocks.key_offsets, tree_blocks.key_index)
+    out, _ = block_attention(query, key, value, *plan, tree_blocks.bias, scale)
     return out, None
 
 
@@ -139,6 +137,13 @@ def _gathered(tensor: torch.Tensor, key_index: torch.Tensor, chunks: int) -> tor
     return tensor.index_select(2, key_index)
 
 
+def _empty_outputs(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_attention``'s outputs for query (1, H, n, D), unfilled: out (1, n, H, D) and the
+    log-sum-exp (1, H, n) float32."""
+    heads, n, dim = query.shape[1:]
+    return query.new_empty((1, n, heads, dim)), query.new_empty((1, heads, n), dtype=torch.float32)
+
+
 def _chunk_mask(bias: torch.Tensor, entries: slice, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return bias[entries].view(1, 1, rows, -1).to(dtype)
 
@@ -157,9 +162,7 @@ def block_attention(
     """Flash attention of query (1, H, n, D) over key, value (1, H_kv, n, D), chunk by chunk
     over the plan's keys: out (1, n, H, D) and each query's log-sum-exp (1, H, n) float32, which
     the backward reads."""
-    heads, n = query.shape[1], query.shape[2]
-    out = query.new_empty((1, n, heads, query.shape[3]))
-    lse = query.new_empty((1, heads, n), dtype=torch.float32)
+    out, lse = _empty_outputs(query)
     chunks = _chunks(query_offsets, key_offsets)
     keys, values = (_gathered(t, key_index, len(chunks)) for t in (key, value))
     for rows, cols, entries in chunks:
@@ -222,9 +225,7 @@ def _scattered(grad: torch.Tensor, like: torch.Tensor, key_index: torch.Tensor) 
 
 @block_attention.register_fake
 def _(query, key, value, query_offsets, key_offsets, key_index, bias, scale):
-    heads, n = query.shape[1], query.shape[2]
-    out = query.new_empty((1, n, heads, query.shape[3]))
-    return out, query.new_empty((1, heads, n), dtype=torch.float32)
+    return _empty_outputs(query)
 
 
 @block_attention_backward.register_fake
