@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treegrpo_ray.actors.engines.hf_engine import HFEngine
+from treegrpo_ray.actors.engines.hf_engine import HFEngine, _Row, sample_rows
 from treegrpo_ray.config import TinyModelConfig
 from treegrpo_ray.engine import GenerationRequest, SamplingParams
 from treegrpo_ray.modeling import build_tiny_model
@@ -63,3 +63,19 @@ def test_greedy_tokens_have_entropy_zero_and_a_full_context_none_to_report():
     )
     assert greedy.entropies == [0.0] * 4
     assert (full.finish_reason, full.entropies) == ("context", [])
+
+
+def test_a_row_with_impossible_tokens_draws_beside_a_greedy_row_with_exact_entropies():
+    """-inf logits (tokens ruled out) have probability 0 and add nothing to the entropy; a greedy
+    row in the same batch takes its argmax and reports entropy 0."""
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")], [0.5, 2.0, 0.0, 1.0]])
+    rows = [
+        _Row(GenerationRequest((1,), SamplingParams(seed=3)), torch.Generator().manual_seed(3), 0),
+        _Row(GenerationRequest((1,), SamplingParams(temperature=0.0)), torch.Generator(), 1),
+    ]
+    (token, logprob, entropy), greedy = sample_rows(rows, logits)
+    p = torch.softmax(torch.tensor([0.0, 1.0], dtype=torch.float64), 0)
+    assert token in (0, 2)
+    assert logprob == pytest.approx(float(p[token // 2].log()), abs=1e-6)
+    assert entropy == pytest.approx(float(-(p * p.log()).sum()), abs=1e-6)
+    assert greedy == (1, pytest.approx(float(torch.log_softmax(logits[1], 0)[1])), 0.0)
