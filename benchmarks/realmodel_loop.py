@@ -33,6 +33,8 @@ from __future__ import annotations
 # Before torch loads: the package sets OMP_WAIT_POLICY=PASSIVE, as in every job's processes (libgomp
 # reads it once, when torch loads it). Imported after torch, this benchmark measured with libgomp's
 # default spin-waits instead: decode steps ~1.3x and rollouts up to ~2x faster than the jobs run.
+# The job's spin count (cluster.omp_spin_count) is known once the config is: ``main`` then starts
+# the benchmark again with it (``as_the_jobs_run``).
 import treegrpo_ray  # noqa: F401
 
 # isort: split
@@ -40,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -198,6 +201,7 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
         "overrides": overrides,
         "threads": threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "updates": updates,
         "prompts_per_update": per,
         "machine": limits,
@@ -222,7 +226,8 @@ def markdown(r: dict) -> str:
         f"# {r['preset']}: the real-model loop against the machine's limits",
         "",
         f"{r['updates']} updates of {r['prompts_per_update']} prompts, {r['threads']} torch threads"
-        f"{', ' + ' '.join(r['overrides']) if r['overrides'] else ''}. "
+        f"{', ' + ' '.join(r['overrides']) if r['overrides'] else ''}, OpenMP "
+        f"{r['omp_wait_policy']} with spin count {r.get('gomp_spincount')} (as the job's). "
         f"Machine, measured in the same run: read {m['read_gb_s']:.1f} GB/s, copy "
         f"{m['copy_gb_s']:.1f} GB/s, float32 matmul {m['matmul_gflop_s']:.0f} GFLOP/s "
         f"(torch's own {m['matmul_torch_gflop_s']:.0f}, oneDNN prepacked "
@@ -255,6 +260,14 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def as_the_jobs_run(preset: str, overrides: list[str]) -> None:
+    """Run again in a new process whose OpenMP environment is the one the job's rollout worker
+    and learner get (``JobConfig.omp_env``), unless this one has it already."""
+    env = load_config(preset, overrides).omp_env()
+    if any(os.environ.get(key) != value for key, value in env.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="smollm2-135m-search-qa")
@@ -265,6 +278,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.updates < 2:
         parser.error("--updates must be at least 2: the learner's rates leave out update 1")
+    as_the_jobs_run(args.preset, args.set)
     result = run(args.preset, args.updates, args.threads, args.set)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

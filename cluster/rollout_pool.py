@@ -41,13 +41,17 @@ class PoolWorker:
 
 def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | None]:
     """Actor options of one rollout worker and the placement group they schedule into."""
-    restarts = {"max_restarts": cfg.cluster.rollout_max_restarts, "max_task_retries": 0}
+    common = {
+        "max_restarts": cfg.cluster.rollout_max_restarts,
+        "max_task_retries": 0,
+        "runtime_env": {"env_vars": cfg.omp_env()},  # merged with the job's own
+    }
     if cfg.engine.rollout_gpus():
         options = vllm_actor_options(
             cfg.engine.vllm, cfg.cluster.rollout_cpus, cfg.cluster.rollout_resources
         )
         strategy = options.get("scheduling_strategy")
-        return {**options, **restarts}, strategy.placement_group if strategy else None
+        return {**options, **common}, strategy.placement_group if strategy else None
     bundle = {"CPU": cfg.cluster.rollout_cpus, **cfg.cluster.rollout_resources}
     group = placement_group([bundle])
     strategy = PlacementGroupSchedulingStrategy(
@@ -58,7 +62,7 @@ def _actor_options(cfg: JobConfig) -> tuple[dict[str, Any], PlacementGroup | Non
         "resources": dict(cfg.cluster.rollout_resources),
         "scheduling_strategy": strategy,
     }
-    return {**options, **restarts}, group
+    return {**options, **common}, group
 
 
 async def wait_for_placement(groups: list[PlacementGroup | None], timeout: float) -> int:

@@ -320,7 +320,7 @@ def train(
                 storage_path=str((cfg.run_dir / "ray_train").resolve()),
                 failure_config=FailureConfig(max_failures=cfg.cluster.learner_max_failures),
                 # they load torch before this package (see treegrpo_ray/__init__.py)
-                worker_runtime_env={"env_vars": {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}},
+                worker_runtime_env={"env_vars": cfg.omp_env()},
             ),
         )
         outcome: dict[str, Any] = {}

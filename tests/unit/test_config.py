@@ -1,6 +1,7 @@
 """Presets and ``extends``: a config file that overrides another one's fields; reading a config
 without the runtime; the vLLM build resolved once, where the config is read."""
 
+import os
 import subprocess
 import sys
 
@@ -118,3 +119,20 @@ def test_a_lora_policy_reaches_vllm_as_adapters_or_merged_weights(device, sent, 
     assert cfg.engine.adapter_updates(lora=False) is False
     hf = load_config("tiny-multihop-lora", [f"engine.vllm.lora_updates={sent}"])
     assert hf.engine.adapter_updates(lora=True) is True  # the embedded engine merges them itself
+
+
+def test_processes_that_take_turns_spin_briefly_and_processes_side_by_side_sleep_at_once(
+    monkeypatch,
+):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    policy = os.environ["OMP_WAIT_POLICY"]  # the package's PASSIVE unless the user set one
+    turns = load_config("smollm2-135m-search-qa")  # one rollout worker, one learner, lag 0
+    assert turns.omp_env() == {"OMP_WAIT_POLICY": policy, "GOMP_SPINCOUNT": "100000"}
+    side_by_side = [["train.max_policy_lag=1"], ["cluster.rollout_workers=2"]]
+    side_by_side += [["cluster.learner_workers=2"]]
+    for overrides in side_by_side:
+        assert load_config("smollm2-135m-search-qa", overrides).omp_env()["GOMP_SPINCOUNT"] == "0"
+    chosen = load_config("smollm2-135m-search-qa", ["cluster.omp_spin_count=5000"])
+    assert chosen.omp_spin_count() == 5000
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")  # the user's own, inherited by every process
+    assert turns.omp_env() == {"OMP_WAIT_POLICY": policy}

@@ -582,6 +582,11 @@ class TrainConfig(_Section):
     )
 
 
+# libgomp's spin count (GOMP_SPINCOUNT) where a job's processes take turns: ~1 ms by libgomp's
+# estimate, longer than the gaps between a forward's parallel ops (issue 27's measurement).
+TAKING_TURNS_SPIN_COUNT = 100_000
+
+
 class ClusterConfig(_Section):
     address: str | None = Field(None, description="Ray address; null starts a local instance.")
     rollout_workers: int = Field(1, gt=0, description="Rollout worker actors.")
@@ -612,6 +617,15 @@ class ClusterConfig(_Section):
         gt=0,
         description="torch intra-op threads per process; at most the CPUs it reserves "
         "(rollout_cpus, learner_cpus): more threads than cores slow every process on the machine.",
+    )
+    omp_spin_count: int | None = Field(
+        None,
+        ge=0,
+        description="Spins an idle OpenMP thread of a rollout worker or learner makes before it "
+        "sleeps (libgomp's GOMP_SPINCOUNT, ~100,000 a millisecond). Null: 100,000 where the "
+        "job's processes take turns (one rollout worker, one learner worker, "
+        "train.max_policy_lag 0), else 0: processes computing side by side would burn each "
+        "other's time. A GOMP_SPINCOUNT in the environment wins.",
     )
     retriever_cpus: float = Field(
         1, ge=0, description="CPUs of the retriever actor (task search_qa only; one per job)."
@@ -677,6 +691,29 @@ class JobConfig(_Section):
         if self.task.name == "search_qa":
             need["CPU"] += cluster.retriever_cpus
         return {key: amount for key, amount in need.items() if amount or key == "CPU"}
+
+    def omp_spin_count(self) -> int:
+        """``cluster.omp_spin_count``, or by default a short spin (``TAKING_TURNS_SPIN_COUNT``)
+        where the rollout worker and the learner take turns (one of each, max_policy_lag 0:
+        one computes while the other waits for its trees or its weights) and none otherwise.
+
+        Waking a sleeping thread at each parallel region cost a decode step of SmolLM2 ~1.2x and
+        an update of its preset ~1.13x on a 2-core VM (issue 27); spinning while another
+        process computes takes that process's time (issue 14)."""
+        if self.cluster.omp_spin_count is not None:
+            return self.cluster.omp_spin_count
+        single = self.cluster.rollout_workers == 1 and self.cluster.learner_workers == 1
+        return TAKING_TURNS_SPIN_COUNT if single and self.train.max_policy_lag == 0 else 0
+
+    def omp_env(self) -> dict[str, str]:
+        """Environment of a rollout worker's or learner's process for libgomp, which reads it
+        once, when torch loads: this process's wait policy (the package's ``PASSIVE``) and
+        ``omp_spin_count()``, unless this environment already sets ``GOMP_SPINCOUNT`` (then the
+        process inherits the user's)."""
+        env = {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+        if "GOMP_SPINCOUNT" not in os.environ:
+            env["GOMP_SPINCOUNT"] = str(self.omp_spin_count())
+        return env
 
     def rollout_workers_per_node(self, node_cpus: float) -> int:
         """The most rollout workers a node of ``node_cpus`` CPUs holds in this job."""
