@@ -48,8 +48,9 @@ def slot_attention(
     weights, as transformers' attention functions do.
 
     The G query heads of a KV head attend as G * q queries of one head, so each KV head is read
-    once per row: a decode step's attention ran ~1.2x faster so on CPU than with ``enable_gqa``
-    (issue 27), whose kernel takes one query head at a time."""
+    once per row (``enable_gqa`` has the kernel read it once per query head). On CPU, 16 decode
+    rows of ~250 tokens, SmolLM2's heads: 22.9 ms over 30 layers, against 26.6 ms with
+    ``enable_gqa`` and the boolean mask (issue 27)."""
     batch, heads, width_q, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * width_q, dim)
