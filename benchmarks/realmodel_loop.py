@@ -4,8 +4,9 @@ First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidt
 matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
 being the roofline), with the run's torch threads. Then a preset's real workload, in
 this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts by the preset's
-warm-started policy (fixed lease seeds, the preset's tree shape and sampling, the embedded engine
-with its trace on), each followed by the learner's update on its trees (``Learner.update``, the
+warm-started policy (the job's own leases: its prompt order and seeds, so update N here draws the
+trees of the job's update N; the preset's tree shape and sampling, the embedded engine with its
+trace on), each followed by the learner's update on its trees (``Learner.update``, the
 preset's PPO and LoRA settings).
 
 Reported, as ratios to the limits:
@@ -46,11 +47,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from treegrpo_ray.actors.engines.hf_engine import ForwardTrace, HFEngine
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
-from treegrpo_ray.actors.schedule import Lease, load_task
+from treegrpo_ray.actors.schedule import leases_of_step, load_task
 from treegrpo_ray.config import load_config
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.learners.policies import resolve_model_path
@@ -176,13 +178,11 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
     engine = worker.engine
     assert isinstance(engine, HFEngine), "this benchmark reads the embedded engine's trace"
     engine.trace = []
-    samples = load_task(cfg.task).train_samples()
-    per = cfg.train.prompts_per_step
+    leases = leases_of_step(cfg, load_task(cfg.task).train_samples())
     rollouts, learned = [], []
     for step in range(updates):
-        groups = tuple((g, samples[g % len(samples)]) for g in range(step * per, (step + 1) * per))
         start = time.perf_counter()
-        table = worker.expand(Lease(step, groups, seed=1000 + step))
+        table = pa.concat_tables([worker.expand(lease) for lease in leases(step)])
         seconds = time.perf_counter() - start
         generated = sum(b.generated_tokens for b in batch_info(table).budgets.values())
         rollouts.append({"seconds": seconds, "generated_tokens": generated})
@@ -203,7 +203,7 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "updates": updates,
-        "prompts_per_update": per,
+        "prompts_per_update": cfg.train.prompts_per_step,
         "machine": limits,
         "model": sizes,
         "rollout": {
@@ -265,7 +265,7 @@ def as_the_jobs_run(preset: str, overrides: list[str]) -> None:
     and learner get (``JobConfig.omp_env``), unless this one has it already."""
     env = load_config(preset, overrides).omp_env()
     if any(os.environ.get(key) != value for key, value in env.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
 
 
 def main() -> None:
