@@ -3,11 +3,11 @@
 First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidth and float32
 matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
 being the roofline), with the run's torch threads. Then a preset's real workload, in
-this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts by the preset's
-warm-started policy (the job's own leases: its prompt order and seeds, so update N here draws the
-trees of the job's update N; the preset's tree shape and sampling, the embedded engine with its
+this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts, starting from the preset's
+warm-started policy (the job's own leases: its prompt order and seeds, so update 1 here draws the
+trees of the job's update 1; the preset's tree shape and sampling, the embedded engine with its
 trace on), each followed by the learner's update on its trees (``Learner.update``, the
-preset's PPO and LoRA settings).
+preset's PPO and LoRA settings), whose new policy the worker then loads, as a job's does.
 
 Reported, as ratios to the limits:
 - rollout: generated tokens/s (the whole ``RolloutWorker.expand``: engine, environment, retrieval);
@@ -189,6 +189,7 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
         trees = trees_from_arrow(table)
         metrics = learner.update(trees)
         metrics["actions"] = sum(len(n.action_ids) for t in trees for n in t.nodes)
+        worker.load_weights(learner.version, learner.engine_state(cfg.engine))  # as a job does
         learned.append(metrics)
         print(
             f"update {step + 1}: rollout {seconds:.1f} s, {generated} tokens; "
