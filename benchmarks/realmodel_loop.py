@@ -2,12 +2,12 @@
 
 First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidth and float32
 matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
-being the roofline), with the run's torch threads. Then a preset's real workload, in
-this process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts, starting from the preset's
+being the roofline), with the run's torch threads. Then a preset's real workload, in this
+process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts, starting from the preset's
 warm-started policy (the job's own leases: its prompt order and seeds, so update 1 here draws the
 trees of the job's update 1; the preset's tree shape and sampling, the embedded engine with its
-trace on), each followed by the learner's update on its trees (``Learner.update``, the
-preset's PPO and LoRA settings), whose new policy the worker then loads, as a job's does.
+trace on), each followed by the learner's update on its trees (``Learner.update``, the preset's
+PPO and LoRA settings), whose new policy the worker then loads, as a job's does.
 
 Reported, as ratios to the limits:
 - rollout: generated tokens/s (the whole ``RolloutWorker.expand``: engine, environment, retrieval);
