@@ -4,9 +4,9 @@ First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidt
 matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
 being the roofline), with the run's torch threads. Then a preset's real workload, in this
 process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts, starting from the preset's
-warm-started policy (the job's own leases: its prompt order and seeds, so update 1 here draws the
-trees of the job's update 1; the preset's tree shape and sampling, the embedded engine with its
-trace on), each followed by the learner's update on its trees (``Learner.update``, the preset's
+warm-started policy (the job's own leases: its prompt order and seeds, so update 1 here is the
+job's update 1, up to the float noise that the job's evaluation before training leaves in the
+engine; the preset's tree shape and sampling, the embedded engine with its trace on), each followed by the learner's update on its trees (``Learner.update``, the preset's
 PPO and LoRA settings), whose new policy the worker then loads, as a job's does.
 
 Reported, as ratios to the limits:
@@ -42,6 +42,7 @@ import treegrpo_ray  # noqa: F401
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -54,10 +55,10 @@ from treegrpo_ray.actors.engines.hf_engine import ForwardTrace, HFEngine
 from treegrpo_ray.actors.rollout_worker import RolloutWorker
 from treegrpo_ray.actors.schedule import leases_of_step, load_task
 from treegrpo_ray.config import load_config
+from treegrpo_ray.learners.intake import pull_batch
 from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
-from treegrpo_ray.tree import batch_info, trees_from_arrow
 
 BUCKETS = ((1, 7), (8, 15), (16, 10**6))
 
@@ -181,12 +182,16 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
     leases = leases_of_step(cfg, load_task(cfg.task).train_samples())
     rollouts, learned = [], []
     for step in range(updates):
+        tables: queue.Queue[pa.Table] = queue.Queue()
         start = time.perf_counter()
-        table = pa.concat_tables([worker.expand(lease) for lease in leases(step)])
+        for lease in leases(step):
+            tables.put(worker.expand(lease))
         seconds = time.perf_counter() - start
-        generated = sum(b.generated_tokens for b in batch_info(table).budgets.values())
+        # the learner's intake, as in a job: the trees sorted by (group, tree)
+        intake = pull_batch(tables, cfg.train.prompts_per_step, learner.version, 0)
+        generated = intake.budget.generated_tokens
         rollouts.append({"seconds": seconds, "generated_tokens": generated})
-        trees = trees_from_arrow(table)
+        trees = intake.trees
         metrics = learner.update(trees)
         metrics["actions"] = sum(len(n.action_ids) for t in trees for n in t.nodes)
         worker.load_weights(learner.version, learner.engine_state(cfg.engine))  # as a job does
