@@ -3,11 +3,12 @@
 First the machine: read bandwidth (a sum over 512 MiB of float32), copy bandwidth and float32
 matmul throughput (1024 x 1024; torch's own path and oneDNN's with a prepacked weight, the better
 being the roofline), with the run's torch threads. Then a preset's real workload, in this
-process: ``--updates`` rollouts of ``train.prompts_per_step`` prompts, starting from the preset's
-warm-started policy (the job's own leases: its prompt order and seeds, so update 1 here is the
-job's update 1, up to the float noise that the job's evaluation before training leaves in the
-engine; the preset's tree shape and sampling, the embedded engine with its trace on), each followed by the learner's update on its trees (``Learner.update``, the preset's
-PPO and LoRA settings), whose new policy the worker then loads, as a job's does.
+process through ``LocalRun`` (a job's leases, intake and policy sends): ``--updates`` rollouts of
+``train.prompts_per_step`` prompts, starting from the preset's warm-started policy (so update 1
+here is the job's update 1, up to the float noise that the job's evaluation before training
+leaves in the engine's prefix cache; the embedded engine with its trace on), each followed by
+the learner's update on its trees (``Learner.update``, the preset's PPO and LoRA settings),
+whose new policy the worker then loads.
 
 Reported, as ratios to the limits:
 - rollout: generated tokens/s (the whole ``RolloutWorker.expand``: engine, environment, retrieval);
@@ -42,21 +43,16 @@ import treegrpo_ray  # noqa: F401
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from treegrpo_ray.actors.engines.hf_engine import ForwardTrace, HFEngine
-from treegrpo_ray.actors.rollout_worker import RolloutWorker
-from treegrpo_ray.actors.schedule import leases_of_step, load_task
+from treegrpo_ray.cluster.local_run import LocalRun
 from treegrpo_ray.config import load_config
-from treegrpo_ray.learners.intake import pull_batch
-from treegrpo_ray.learners.learner import Learner
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
@@ -174,27 +170,22 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
     limits = machine_limits()
     cfg = load_config(preset, [*overrides, f"cluster.torch_threads={threads}"])
     path = resolve_model_path(cfg, progress=False)
-    worker = RolloutWorker.from_config(cfg, path)
-    learner = Learner.from_config(cfg, path)
-    engine = worker.engine
+    loop = LocalRun(cfg, path)  # the job's leases, intake and policy sends, in this process
+    learner = loop.learner
+    engine = loop.worker.engine
     assert isinstance(engine, HFEngine), "this benchmark reads the embedded engine's trace"
     engine.trace = []
-    leases = leases_of_step(cfg, load_task(cfg.task).train_samples())
     rollouts, learned = [], []
     for step in range(updates):
-        tables: queue.Queue[pa.Table] = queue.Queue()
         start = time.perf_counter()
-        for lease in leases(step):
-            tables.put(worker.expand(lease))
+        intake = loop.next_batch(learner.version)
         seconds = time.perf_counter() - start
-        # the learner's intake, as in a job: the trees sorted by (group, tree)
-        intake = pull_batch(tables, cfg.train.prompts_per_step, learner.version, 0)
         generated = intake.budget.generated_tokens
         rollouts.append({"seconds": seconds, "generated_tokens": generated})
         trees = intake.trees
         metrics = learner.update(trees)
         metrics["actions"] = sum(len(n.action_ids) for t in trees for n in t.nodes)
-        worker.load_weights(learner.version, learner.engine_state(cfg.engine))  # as a job does
+        loop.publish(learner, trees, metrics)
         learned.append(metrics)
         print(
             f"update {step + 1}: rollout {seconds:.1f} s, {generated} tokens; "

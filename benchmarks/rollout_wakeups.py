@@ -68,14 +68,14 @@ def run(sleeper_counts: list[int], reps: int) -> dict:
         for n in arms:
             runs[n].append(timed_rollout(worker, lease, n))
             print(f"rep {rep + 1}, {n} sleepers: {runs[n][-1]['seconds']:.2f} s", flush=True)
-    base = statistics.median(r["seconds"] for r in runs[0])
+    medians = {n: statistics.median(r["seconds"] for r in runs[n]) for n in arms}
     return {
         "preset": PRESET,
         "reps": reps,
         "arms": {
             str(n): {
-                "median_s": statistics.median(r["seconds"] for r in runs[n]),
-                "slowdown": statistics.median(r["seconds"] for r in runs[n]) / base,
+                "median_s": medians[n],
+                "slowdown": medians[n] / medians[0],
                 "preemptions_per_s": statistics.median(r["preemptions_per_s"] for r in runs[n]),
                 "runs": runs[n],
             }
