@@ -191,8 +191,20 @@ class RolloutWorker:
         receipt = LeaseReceipt(batch_info(table), self.cache_stats(), peak_rss_bytes())
         return receipt, table
 
-    def evaluate(self, samples: list[Sample], temperature: float, seed: int) -> list[float]:
-        """One chain per sample (greedy when ``temperature`` is 0); returns 1.0/0.0 success each."""
+    def evaluate(
+        self, samples: list[Sample], temperature: float, seed: int, version: int
+    ) -> list[float]:
+        """One chain per sample (greedy when ``temperature`` is 0) by policy ``version``;
+        returns 1.0/0.0 success each. Raises RuntimeError when this worker holds another
+        version (a load of ``version`` sent before this call failed): a measurement is never
+        of a policy other than the one it is recorded for."""
+        if self.engine.version != version:
+            raise RuntimeError(
+                f"held-out evaluation of policy version {version}: this rollout worker holds "
+                f"version {self.engine.version}, its load of version {version} failed (the "
+                "weights' owner, the learner that published them, died or exited before this "
+                "worker fetched them; the worker's log has the error)"
+            )
         trees = self.evaluate_chains(samples, temperature, seed)
         return [float(self.env.success(tree.nodes[-1].env_state)) for tree in trees]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
-from ray.exceptions import ActorUnavailableError, OutOfMemoryError, RayActorError
+from ray.exceptions import ActorUnavailableError, OutOfMemoryError, RayActorError, RayTaskError
 from ray.util.queue import Full
 
 from treegrpo_ray.actors.schedule import LeaseReceipt, eval_seed, leases_of_step, load_task
@@ -51,6 +51,7 @@ from treegrpo_ray.cluster.metrics_log import MetricsLog
 from treegrpo_ray.cluster.retriever import retriever_actor_name, start_retriever
 from treegrpo_ray.cluster.rollout_pool import RolloutPool, wait_for_placement, worker_death
 from treegrpo_ray.config import JobConfig
+from treegrpo_ray.learners.checkpoint import resume_hint
 from treegrpo_ray.learners.loop import LearnerPlace
 
 EVALS_FILE = "evaluations.json"  # before/after held-out EM, kept for a resumed run's summary
@@ -347,8 +348,9 @@ class Controller:
         started = time.perf_counter()
         try:
             measured = await self.evaluator.measure(snapshot, measurements)
-        except Exception as err:
-            self.abort(str(err), "evaluation")
+        except Exception as err:  # a worker's error: its message (the traceback is in its log)
+            cause = err.cause if isinstance(err, RayTaskError) else err
+            self.abort(f"{cause}; {resume_hint(self.cfg.run_dir)}", "evaluation")
             return
         if self.stopped:
             return
@@ -491,6 +493,12 @@ class Controller:
         await self._until(lambda: self.state.in_flight or self.stopped, timeout)
         busy = self.state.busy_workers()
         return {w: self.pool.workers[w].handle for w in busy if w in self.pool.workers}
+
+    async def evaluations_finished(self) -> None:
+        """Return once no evaluation of a published version is pending, or the job stopped: the
+        learner that published the versions owns their weights, so it waits for this before it
+        exits (else a worker still busy could no longer load the version it is to measure)."""
+        await self._until(lambda: not self.log.pending or self.stopped)
 
     async def progress(self, after_step: int, timeout: float) -> Progress:
         """The records of steps after ``after_step`` (waiting up to ``timeout`` s for one), with

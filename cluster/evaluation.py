@@ -6,6 +6,11 @@ worker right after that worker is given the evaluated version (``load_weights`` 
 snapshot if the worker is on another one), and calls to one actor run in the order they are sent:
 so every shard measures exactly that version, even when a lease moves the worker on to a
 newer policy right after. A shard whose worker dies is sent again to another worker.
+
+A snapshot's weights are an object of the learner that published them, and Ray drops an object
+with its owner's process: so the learner waits for the pending evaluations before it exits
+(``Controller.evaluations_finished``), and a worker whose load of the snapshot failed refuses
+its shard rather than measure the policy it still holds.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class Evaluator:
         for attempt in range(SHARD_ATTEMPTS):
             if attempt:  # a worker died: ask again which ones are on the snapshot
                 workers = await self._wait_for_workers(snapshot)
-            sent = self._send(workers, measurement, shards, todo)
+            sent = self._send(workers, snapshot, measurement, shards, todo)
             answers = await asyncio.gather(*sent, return_exceptions=True)
             todo = []
             for shard, answer in zip(sent.values(), answers, strict=True):
@@ -108,15 +113,17 @@ class Evaluator:
     def _send(
         self,
         workers: list[Any],
+        snapshot: Snapshot,
         measurement: Measurement,
         shards: list[list[Sample]],
         todo: list[int],
     ) -> dict[ray.ObjectRef, int]:
         """Send the shards in ``todo`` round-robin to ``workers`` (handles of workers on the
-        snapshot, from ``_wait_for_workers`` with no await between: no lease comes first)."""
+        snapshot, from ``_wait_for_workers`` with no await between: no lease comes first); each
+        worker checks that it holds the snapshot's version."""
         return {
             workers[i % len(workers)].evaluate.remote(
-                shards[shard], measurement.temperature, self.seed
+                shards[shard], measurement.temperature, self.seed, snapshot.version
             ): shard
             for i, shard in enumerate(todo)
         }

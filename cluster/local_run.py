@@ -78,4 +78,4 @@ class LocalRun:
         ``repeat`` > 0 draws another set of samples (the job's evaluation is ``repeat`` 0)."""
         samples = self.heldout[:questions]
         seed = eval_seed(self.cfg.train.seed) + repeat
-        return statistics.fmean(self.worker.evaluate(samples, temperature, seed))
+        return statistics.fmean(self.worker.evaluate(samples, temperature, seed, self.version))

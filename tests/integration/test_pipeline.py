@@ -108,6 +108,20 @@ def test_profile_reads_the_runs_saved_trees(two_step_run, tmp_path):
     assert profile["share_in_data"] == pytest.approx(sum(shares) / profile["prompts"])
 
 
+def test_the_last_evaluation_measures_the_last_policy_after_the_learner_finished(
+    make_cfg, tiny_policy, two_step_overrides
+):
+    """The worker evaluates version 1 on the whole held-out set while the learner publishes
+    version 2 and finishes; the final evaluation's load of version 2 (an object of the learner's
+    process) comes after that. The learner waits for the evaluations before it exits, so the
+    load succeeds and step 2's record measures version 2 (without the wait the load failed in
+    most runs here, and the worker refused to measure the version it still held)."""
+    cfg = make_cfg("name=eval-outlasts-learner", *two_step_overrides(), "train.eval_questions=1024")
+    summary = train(cfg, progress=False)
+    assert summary["rollout/worker_versions"] == [2]
+    assert [r["eval/policy_version"] for r in _read_records(cfg.run_dir)] == [1.0, 2.0]
+
+
 # Not a function of the seed: wall-clock times, the prefix-cache counters (the cache is not
 # checkpointed: the uninterrupted run's cache still held the step-1 evaluation's prefixes), and the
 # engine's float figures over prefixes served from that cache (its sampling entropies, which agree

@@ -17,7 +17,8 @@ GREEDY = Measurement("eval/greedy_em", questions=6, temperature=0.0)
 
 
 class StandInWorker:
-    """Test double of a rollout worker's handle: ``evaluate.remote(samples, temperature, seed)``
+    """Test double of a rollout worker's handle: ``evaluate.remote(samples, temperature, seed,
+    version)``
     scores a sample 1.0 when it is in ``SOLVED``; its first ``dies`` calls fail as a dead
     worker's calls do (``RayActorError``)."""
 
@@ -26,7 +27,9 @@ class StandInWorker:
         self.dies = dies
         self.shards: list[list[str]] = []
 
-    def remote(self, samples: list[Sample], temperature: float, seed: int) -> asyncio.Future:
+    def remote(
+        self, samples: list[Sample], temperature: float, seed: int, version: int
+    ) -> asyncio.Future:
         self.shards.append([s.uid for s in samples])
         died, self.dies = self.dies > 0, max(self.dies - 1, 0)
 

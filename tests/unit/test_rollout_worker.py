@@ -19,6 +19,16 @@ def _expand(cfg, policy, tree: TreeConfig, sampling=None, prompts=8, seed=3):
     return trees_from_arrow(table), batch_info(table)
 
 
+def test_an_evaluation_of_a_version_the_worker_does_not_hold_is_refused(tiny_cfg, untrained_policy):
+    """A worker whose load of the evaluated version failed (in a job: the weights' owner, the
+    learner, had exited) refuses the shard instead of measuring the policy it holds."""
+    worker = RolloutWorker(untrained_policy, tiny_cfg.task, tiny_cfg.tree, tiny_cfg.sampling)
+    samples = MultihopTask(tiny_cfg.task.multihop).heldout_samples()[:2]
+    assert len(worker.evaluate(samples, 0.0, seed=0, version=0)) == 2
+    with pytest.raises(RuntimeError, match="holds version 0, its load of version 1 failed"):
+        worker.evaluate(samples, 0.0, seed=0, version=1)
+
+
 @pytest.mark.parametrize("m,n,l", [(2, 2, 1), (1, 3, 2), (3, 1, 1)])
 def test_every_tree_ends_with_one_plus_l_times_n_leaves(tiny_cfg, untrained_policy, m, n, l):  # noqa: E741
     trees, _ = _expand(tiny_cfg, untrained_policy, TreeConfig(m=m, n=n, l=l))
