@@ -209,10 +209,18 @@ class RolloutWorker:
         return [float(self.env.success(tree.nodes[-1].env_state)) for tree in trees]
 
     def evaluate_chains(self, samples: list[Sample], temperature: float, seed: int) -> list[Tree]:
-        """One chain (a one-leaf tree) per sample, greedy when ``temperature`` is 0."""
+        """One chain (a one-leaf tree) per sample, greedy when ``temperature`` is 0.
+
+        The evaluation leaves the prefix cache empty: a prefix's KV computed in its batches
+        differs in float noise from the same prefix computed in a rollout's, enough to flip a
+        draw now and then, so later trees would depend on whether and when evaluations ran (a
+        resumed run would part from the uninterrupted one)."""
         rng = random.Random(seed)
         trees = self._new_trees(tuple(enumerate(samples)), copies=1)
-        self._complete(trees, TreePlanner(self.shape, rng).initial(trees), temperature, rng, {})
+        try:
+            self._complete(trees, TreePlanner(self.shape, rng).initial(trees), temperature, rng, {})
+        finally:
+            self.engine.forget_prefixes()
         return trees
 
     def _new_trees(self, groups: tuple[tuple[int, Sample], ...], copies: int) -> list[Tree]:

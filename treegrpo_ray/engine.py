@@ -111,6 +111,10 @@ class Engine(Protocol):
         """A copy of the counters since start."""
         ...
 
+    def forget_prefixes(self) -> None:
+        """Drop every cached prefix's KV; the policy and the counters stay."""
+        ...
+
 
 @runtime_checkable
 class SteppedEngine(Protocol):

@@ -54,6 +54,19 @@ def _frozen(layer: torch.nn.Linear) -> bool:
     return not layer.weight.requires_grad and (layer.bias is None or not layer.bias.requires_grad)
 
 
+def _callers(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.nn.Module]:
+    """The merged LoRA wrappers of ``model``'s linear layers, by layer: peft's wrapper of a
+    merged adapter computes its base layer alone, through a Python forward of its own (210
+    calls a decode step of the SmolLM2 preset's policy), so inference overrides the wrapper's
+    forward instead of the layer's."""
+    callers: dict[torch.nn.Linear, torch.nn.Module] = {}
+    for module in model.modules():
+        layer = getattr(module, "base_layer", None)
+        if type(layer) is torch.nn.Linear and getattr(module, "merged", False):
+            callers[layer] = module
+    return callers
+
+
 class OneDNNLinears:
     """oneDNN-packed copies of a model's ``nn.Linear`` weights; within ``active()`` the layers
     compute with them.
@@ -70,6 +83,7 @@ class OneDNNLinears:
         self.forwards: dict[torch.nn.Linear, Any] = {}
         self.frozen: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused: list[_Fused] = []
+        self.callers: dict[torch.nn.Linear, torch.nn.Module] = {}
         layers = {
             name: layer
             for name, layer in model.named_modules()
@@ -77,6 +91,7 @@ class OneDNNLinears:
         }
         if not gradients:
             self._fuse(layers, batch_hint)
+            self.callers = _callers(model)
         for layer in layers.values():
             if layer in self.forwards:  # a fused group's member
                 continue
@@ -114,7 +129,8 @@ class OneDNNLinears:
     def active(self) -> Iterator[None]:
         """Within the block, each packed layer computes through its packed copy."""
         for layer, forward in self.forwards.items():
-            layer.forward = forward  # type: ignore[method-assign]  # an instance override
+            # an instance override, on the module its parent calls
+            self.callers.get(layer, layer).forward = forward  # type: ignore[method-assign]
         for layer, packs in self.frozen.items():
             layer.__class__ = _FrozenPackedLinear
             _FROZEN[_key(layer.weight)] = packs
@@ -122,7 +138,7 @@ class OneDNNLinears:
             yield
         finally:
             for layer in self.forwards:
-                del layer.forward  # back to the class's own forward
+                del self.callers.get(layer, layer).forward  # back to the class's own forward
             for layer in self.frozen:
                 layer.__class__ = torch.nn.Linear
                 del _FROZEN[_key(layer.weight)]

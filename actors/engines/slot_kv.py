@@ -15,8 +15,8 @@ batch is the buffers' first n slots.
 ``SlotKV`` is handed to the model as ``past_key_values``: Llama / Qwen2 attention layers call
 only ``update(key_states, value_states, layer_idx)`` when the attention mask is given as a 4D
 tensor (transformers 5.20, ``masking_utils._preprocess_mask_arguments`` returns it unchanged).
-The model must run ``slot_attention`` (``attending_through_slots``), which takes that mask as a
-boolean ``(B, 1, q, L)`` tensor, True where a query may attend.
+The model must run ``slot_attention`` (``attending_through_slots``), which takes that mask as an
+additive ``(B, 1, q, L)`` tensor, 0 where a query may attend.
 """
 
 from __future__ import annotations
@@ -42,15 +42,25 @@ def slot_attention(
 ) -> tuple[torch.Tensor, None]:
     """Masked attention over KV views of the slots, grouped heads reading their KV in place.
 
-    query: (B, H, q, D); key, value: (B, Hkv, L, D), H a multiple of Hkv (query head h reads KV
-    head h // (H / Hkv), as ``repeat_kv``, but without repeating: ``enable_gqa``);
-    attention_mask: (B, 1, q, L) bool, True where a query may attend. Returns the output as
-    (B, q, H, D) and no weights, as transformers' attention functions do.
-    """
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    query: (B, H, q, D); key, value: (B, Hkv, L, D), H = G * Hkv (query head h reads KV head
+    h // G, as ``repeat_kv``, but without repeating); attention_mask: (B, 1, q, L) additive
+    (0 where a query may attend, -inf elsewhere). Returns the output as (B, q, H, D) and no
+    weights, as transformers' attention functions do.
+
+    The G query heads of a KV head attend as G * q queries of one head, so each KV head is read
+    once per row (``enable_gqa`` has the kernel read it once per query head). On CPU, 16 decode
+    rows of ~250 tokens, SmolLM2's heads: 22.9 ms over 30 layers, against 26.6 ms with
+    ``enable_gqa`` and the boolean mask (issue 27)."""
+    batch, heads, width_q, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * width_q, dim)
+    mask = attention_mask.expand(batch, heads // kv_heads, width_q, -1).reshape(
+        batch, 1, heads // kv_heads * width_q, -1
     )
-    return out.transpose(1, 2).contiguous(), None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=mask, scale=scaling
+    )
+    return out.view(batch, heads, width_q, dim).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
@@ -96,7 +106,7 @@ class SlotKV:
         self.keys: list[torch.Tensor] = [self._empty() for _ in range(layers)]
         self.values: list[torch.Tensor] = [self._empty() for _ in range(layers)]
         self._rows = slice(0, 0)
-        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._index: torch.Tensor | None = None  # the new tokens' rows in a flat buffer view
         self._width = 0
 
     def _empty(self) -> torch.Tensor:
@@ -165,8 +175,9 @@ class SlotKV:
         starts, counts: (k,) long. Query i of row r (of Q = max(counts)) is real when
         i >= Q - counts[r], at position starts[r] + i - (Q - counts[r]); it sees the columns up
         to its position. A padding query writes to the scratch column and sees the row's first
-        new token only (a row of the mask is never empty). Returns a (k, 1, Q, W) bool mask,
-        W = max(starts + counts), and (k, Q) long position ids (0 on padding)."""
+        new token only (a row of the mask is never empty). Returns a (k, 1, Q, W) additive mask
+        (``slot_attention``), W = max(starts + counts), and (k, Q) long position ids (0 on
+        padding)."""
         k, width_q = len(starts), int(counts.max())
         offsets = torch.arange(width_q) - (width_q - counts[:, None])  # (k, Q), < 0 on padding
         real = offsets >= 0
@@ -174,12 +185,14 @@ class SlotKV:
         columns = torch.where(real, positions, self.capacity - 1)
         self._width = int((starts + counts).max())
         keys = torch.arange(self._width)
-        mask = torch.where(
+        seen = torch.where(
             real[..., None], keys <= positions[..., None], keys == starts[:, None, None]
         )
-        rows = torch.arange(first, first + k)[:, None].expand(k, width_q)
+        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
+        _, heads, capacity, _ = self.shape
+        rows = torch.arange(first, first + k)[:, None, None] * heads + torch.arange(heads)[:, None]
         self._rows = slice(first, first + k)
-        self._index = (rows.to(self.device), columns.to(self.device))
+        self._index = (rows * capacity + columns[:, None, :]).flatten().to(self.device)
         return mask[:, None].to(self.device), positions.to(self.device)
 
     def update(
@@ -191,10 +204,12 @@ class SlotKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' KV (k, Hkv, Q, D) and return the rows' KV (k, Hkv, W, D)."""
         assert self._index is not None, "begin() places the tokens of a forward"
-        rows, columns = self._index
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[rows, :, columns] = key_states.transpose(1, 2)
-        values[rows, :, columns] = value_states.transpose(1, 2)
+        dim = self.shape[3]
+        # one index_copy_ into the flat (slots * kv_heads * capacity, D) view: ~10x faster than
+        # assigning through advanced indexing (a decode step's 2 x layers writes, issue 27)
+        keys.view(-1, dim).index_copy_(0, self._index, key_states.reshape(-1, dim))
+        values.view(-1, dim).index_copy_(0, self._index, value_states.reshape(-1, dim))
         return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
 
     def write(self, slot: int, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

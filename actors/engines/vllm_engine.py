@@ -485,6 +485,10 @@ class VLLMEngine:
         # the new weights take the new version's cache salt before the reset can fail: should it
         # fail, old blocks stay unreachable rather than served to the new policy
         self.version = version
+        self.forget_prefixes()
+
+    def forget_prefixes(self) -> None:
+        """Empty vLLM's prefix cache (fails while a request holds blocks)."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache: blocks still in use")
 

@@ -106,6 +106,9 @@ class EngineOnHost:
     def cache_stats(self) -> EngineCounters:
         return ray.get(self.host.call.remote("cache_stats"))
 
+    def forget_prefixes(self) -> None:
+        ray.get(self.host.call.remote("forget_prefixes"))
+
 
 @pytest.fixture(scope="module")
 def engine_hosts() -> Iterator[list]:
@@ -347,6 +350,21 @@ def test_no_kv_of_an_older_version_serves_a_newer_one(make_engine, untrained_pol
         torch.testing.assert_close(
             torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
         )
+
+
+def test_forgotten_prefixes_are_computed_again(make_engine, untrained_policy):
+    tokenizer = load_tokenizer(untrained_policy)
+    engine = make_engine(untrained_policy, True)
+    # long enough to fill one of vLLM's blocks
+    prompts = [tokenizer.encode(OBSERVATION * 3 + q, add_special_tokens=False) for q in QUESTIONS]
+    first = engine.generate(_requests(prompts, 0.0))
+    engine.forget_prefixes()
+    forgotten = engine.generate(_requests(prompts, 0.0))
+    again = engine.generate(_requests(prompts, 0.0))
+    # as on the fresh engine: only what the batch shares with itself (vLLM: the shared prefix)
+    assert [r.cached_tokens for r in forgotten] == [r.cached_tokens for r in first]
+    assert [r.token_ids for r in forgotten] == [r.token_ids for r in first]
+    assert again[0].cached_tokens > 0  # the engine caches again
 
 
 def test_counters_add_up(make_engine, untrained_policy):

@@ -60,3 +60,27 @@ def test_a_lora_policy_gets_the_same_adapter_gradients_through_its_packed_frozen
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_merged_adapter_skips_its_wrappers_and_an_unmerged_one_keeps_them():
+    """Inference through a merged LoRA policy calls the packed layers in place of peft's
+    wrappers (their base layers hold the merged weights); an unmerged adapter adds its own
+    term, so its wrappers keep their forward. Both give the policy's own logits."""
+    model, ids = _model_and_ids()
+    model = with_lora_adapter(model, LoraSettings(enabled=True, rank=4, alpha=8))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    wrappers = [m for m in model.modules() if hasattr(m, "base_layer")]
+    for merged in (False, True):
+        if merged:
+            model.merge_adapter()
+        expected = model(ids).logits
+        packed = OneDNNLinears(model, batch_hint=3)
+        with packed.active():
+            got = model(ids).logits
+            overridden = ["forward" in vars(w) for w in wrappers]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert overridden == [merged] * len(wrappers) and len(wrappers) == 7 * 2
+        assert not any("forward" in vars(w) for w in wrappers)  # restored on leaving

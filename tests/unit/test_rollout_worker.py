@@ -84,6 +84,20 @@ def test_same_lease_seed_gives_the_same_trees(tiny_cfg, untrained_policy):
     assert tokens(first) != tokens(other)
 
 
+def test_an_evaluation_leaves_the_prefix_cache_empty(tiny_cfg, untrained_policy):
+    """A prefix's KV computed in an evaluation's batches differs in float noise from a rollout's:
+    none may stay behind for the next lease to draw on."""
+    shape = TreeConfig(m=2, n=2, l=1)
+    worker = RolloutWorker(untrained_policy, tiny_cfg.task, shape, tiny_cfg.sampling)
+    samples = MultihopTask(tiny_cfg.task.multihop).train_samples()[:4]
+    worker.expand(Lease(lease_id=0, groups=tuple(enumerate(samples)), seed=3))
+    filled = worker.cache_stats()
+    worker.evaluate(samples, temperature=0.0, seed=0, version=0)
+    after = worker.cache_stats()
+    assert filled.bytes > 0 and after.bytes == 0
+    assert after.prefill_tokens > filled.prefill_tokens  # the counters stay
+
+
 @pytest.mark.parametrize(
     "select,allocate", [("entropy", "fixed"), ("uncertainty", "adaptive"), ("uniform", "adaptive")]
 )
@@ -123,6 +137,9 @@ class GenerateOnly:
 
     def cache_stats(self):
         return self.engine.cache_stats()
+
+    def forget_prefixes(self):
+        self.engine.forget_prefixes()
 
 
 def _leaf_paths(trees):
