@@ -191,6 +191,7 @@ def train_loop_per_worker(config: dict) -> None:
     if first:
         final = learner.save(cfg.run_dir / "checkpoint-final", extra={"step": learner.version})
         report["checkpoint_dir"] = str(final)
-        # the evaluations load weights this process owns: they go with it
-        ray.get(controller.evaluations_finished.remote())
+    # The evaluations load weights rank 0's process owns, which go with it. Every rank waits, so
+    # that none sits in report's barrier meanwhile (Ray Train warns of it every minute).
+    ray.get(controller.evaluations_finished.remote())
     ray.train.report(report)  # every worker reports, the same number of times
