@@ -18,9 +18,8 @@ GREEDY = Measurement("eval/greedy_em", questions=6, temperature=0.0)
 
 class StandInWorker:
     """Test double of a rollout worker's handle: ``evaluate.remote(samples, temperature, seed,
-    version)``
-    scores a sample 1.0 when it is in ``SOLVED``; its first ``dies`` calls fail as a dead
-    worker's calls do (``RayActorError``)."""
+    version)`` scores a sample 1.0 when it is in ``SOLVED``; its first ``dies`` calls fail as a
+    dead worker's calls do (``RayActorError``)."""
 
     def __init__(self, dies: int = 0):
         self.evaluate = self
