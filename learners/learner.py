@@ -264,7 +264,12 @@ class Learner:
         with timed(metrics, "pack"):
             chunks = self._split(trees)
             batches = [
-                pack_trees(chunk, self.ppo.micro_batch_tokens, self.tokenizer.pad_token_id)
+                pack_trees(
+                    chunk,
+                    self.ppo.micro_batch_tokens,
+                    self.tokenizer.pad_token_id,
+                    one_tree_per_row=self.ppo.trees_per_row == "one",
+                )
                 for chunk in chunks
             ]
             advantages = self._leaf_advantages(batches)

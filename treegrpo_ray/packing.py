@@ -514,17 +514,24 @@ def _assign_rows(sizes: list[int], budget: int) -> list[list[int]]:
         count += 1
 
 
-def pack_trees(trees: list[Tree], micro_batch_tokens: int, pad_token_id: int) -> PackedBatch:
+def pack_trees(
+    trees: list[Tree], micro_batch_tokens: int, pad_token_id: int, one_tree_per_row: bool = False
+) -> PackedBatch:
     """Pack trees into rows of at most ``micro_batch_tokens`` tokens.
 
     A tree that fits is packed whole. A tree that does not is split by subtree into pieces
     (``_split_tree``); each piece repeats the prompt and the ancestor nodes its nodes need as
     context, with no loss on them, so every node's loss tokens are still counted exactly once and
-    the loss equals the unsplit tree's. Raises UserInputError when a root-to-leaf path alone
-    exceeds the budget (``_lay_out``).
+    the loss equals the unsplit tree's. Trees (and pieces) share rows, as few as they fit in,
+    unless ``one_tree_per_row``: then each gets a row of its own (under a dense mask, trees in
+    one row pay for every pair of their tokens across trees). Raises UserInputError when a
+    root-to-leaf path alone exceeds the budget (``_lay_out``).
     """
     laid_out = _lay_out(trees, micro_batch_tokens)
-    rows = _assign_rows([len(t.ids) for _, t in laid_out], micro_batch_tokens)
+    if one_tree_per_row:
+        rows = [[i] for i in range(len(laid_out))]
+    else:
+        rows = _assign_rows([len(t.ids) for _, t in laid_out], micro_batch_tokens)
     node_offset = [0]
     for tree in trees:
         node_offset.append(node_offset[-1] + len(tree.nodes))

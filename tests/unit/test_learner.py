@@ -38,21 +38,23 @@ def test_one_update_changes_every_parameter_and_bumps_the_version(tiny_cfg, untr
 
 @pytest.mark.slow  # needs actions that search and answer: the warm-started policy
 def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
-    """Rows of a few trees with gradient accumulation, or trees split over rows, give the loss
-    and the gradient of one big row."""
+    """Rows of a few trees with gradient accumulation, a row per tree, or trees split over
+    rows, give the loss and the gradient of one big row."""
     trees = _trees(tiny_cfg, tiny_policy, prompts=4)
     longest = max(len(t.prefix_ids(leaf.node_id)) for t in trees for leaf in t.leaves())
-    budgets = (4096, 400, longest)  # a tree of this preset has at most ~350 tokens
+    # a tree of this preset has at most ~350 tokens
+    layouts = ((4096, "many"), (400, "many"), (longest, "many"), (4096, "one"))
     results = []
-    for budget in budgets:
-        ppo = tiny_cfg.ppo.model_copy(update={"micro_batch_tokens": budget})
-        learner = Learner(tiny_policy, ppo, temperature=1.0)
+    for budget, trees_per_row in layouts:
+        update = {"micro_batch_tokens": budget, "trees_per_row": trees_per_row}
+        learner = Learner(tiny_policy, tiny_cfg.ppo.model_copy(update=update), temperature=1.0)
         metrics = learner.update(trees)
         results.append((metrics, {k: v.grad for k, v in learner.model.named_parameters()}))
     pad = learner.tokenizer.pad_token_id
-    rows = [pack_trees(trees, budget, pad).num_rows for budget in budgets]
+    rows = [pack_trees(trees, budget, pad, one == "one").num_rows for budget, one in layouts]
     assert rows[0] == 1 and rows[1] >= 3  # the small budget spreads the trees over rows
-    (big, big_grads), (small, small_grads), (split, split_grads) = results
+    assert rows[3] == len(trees)
+    (big, big_grads), (small, small_grads), (split, split_grads), (apart, apart_grads) = results
     assert small["learner/split_trees"] == 0 and split["learner/split_trees"] > 0
     # the pieces repeat prompts and shared ancestors; the unique tokens are the same
     assert split["learner/tokens"] == big["learner/tokens"] == big["learner/tokens_forwarded"]
@@ -60,7 +62,8 @@ def test_micro_batch_size_does_not_change_the_update(tiny_cfg, tiny_policy):
         big["learner/tokens"] + split["learner/split_extra_tokens"]
     )
     assert split["learner/split_extra_tokens"] > 0
-    for metrics, grads in ((small, small_grads), (split, split_grads)):
+    assert apart["learner/tokens_forwarded"] == big["learner/tokens"]
+    for metrics, grads in ((small, small_grads), (split, split_grads), (apart, apart_grads)):
         assert metrics["learner/loss"] == pytest.approx(big["learner/loss"], abs=1e-5)
         for name, grad in big_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=0, msg=name)

@@ -160,6 +160,23 @@ def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
     assert int((batch.tree_mask & ~pad[:, :, None]).sum()) == alone
 
 
+def test_one_tree_per_row_gives_each_tree_and_each_piece_a_row_of_its_own():
+    trees = _forest(1, trees=5)
+    sizes = [len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees]
+    shared = pack_trees(trees, micro_batch_tokens=sum(sizes), pad_token_id=0)
+    apart = pack_trees(trees, micro_batch_tokens=sum(sizes), pad_token_id=0, one_tree_per_row=True)
+    assert shared.num_rows == 1
+    assert apart.token_mask.sum(1).tolist() == sizes
+    # split trees (this forest's longest path has 24 tokens, its trees 32-43): each piece in a
+    # row of its own, the same tokens; shared, two pieces fit in one row of 30
+    budget = 30
+    split_shared = pack_trees(trees, budget, pad_token_id=0)
+    split_apart = pack_trees(trees, budget, pad_token_id=0, one_tree_per_row=True)
+    assert split_apart.split_trees > 0
+    assert split_apart.num_rows > split_shared.num_rows
+    assert int(split_apart.token_mask.sum()) == int(split_shared.token_mask.sum())
+
+
 def _longest_path(trees):
     return max(len(tree.prefix_ids(leaf.node_id)) for tree in trees for leaf in tree.leaves())
 

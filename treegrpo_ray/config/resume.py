@@ -28,6 +28,7 @@ RESUMABLE_CHANGES = (
     "ppo.lr",
     "ppo.grad_clip",
     "ppo.micro_batch_tokens",
+    "ppo.trees_per_row",
     "cluster.*",
     "engine.*",
 )
