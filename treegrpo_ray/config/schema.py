@@ -513,7 +513,7 @@ class PPOConfig(_Section):
         "(each piece of a split tree) in a row of its own. With a dense mask (ppo.attention "
         "sdpa, the CPU's default) a row's attention computes every pair of its tokens, those "
         "across trees included: on the SmolLM2 preset's trees (230-880 tokens) one made the "
-        "forward + backward 1.05-1.15x faster (README). many suits small trees (a row's fixed "
+        "forward + backward 1.05-1.14x faster (README). many suits small trees (a row's fixed "
         "cost dominates) and kernels that skip hidden blocks (flex, blocks).",
     )
     precision: Literal["float32", "bfloat16-mixed"] = Field(
