@@ -177,10 +177,19 @@ def test_resume_continues_as_the_uninterrupted_run(two_step_run, tmp_path, loss,
     expected_trees, got_trees = (_tree_rows(d, step=2) for d in (cfg.run_dir, died))
     assert got_trees == expected_trees
     expected, got = (_repeatable(run[1]) for run in records)
-    assert got == expected  # rewards, tokens, tool calls, cache counters, losses, evaluations
+    # rewards, tokens, tool calls, evaluations exactly; the learner's float figures and the
+    # weights after step 2 to 1e-6: in two full suites (both cores busy) the resumed update 2,
+    # on equal trees from the same checkpoint, came out with the same gradient norm 8e-8
+    # (relative) apart both times and its KL 4e-8 apart: another kernel path taken now and then,
+    # cause not found (issue 27); a state the resume lost would show every time, far above 1e-6
+    learner = [k for k in expected if k.startswith("learner/")]
+    assert {k: got.pop(k) for k in learner} == pytest.approx(
+        {k: expected.pop(k) for k in learner}, rel=1e-6, abs=1e-6
+    )
+    assert got == expected
     for key in ("before/eval/sampled_em", "after/eval/sampled_em", "budget/generated_tokens"):
         assert resumed[key] == full[key]
-    assert _same_tensors(cfg.run_dir / "checkpoint-final", died / "checkpoint-final")
+    assert _close_tensors(cfg.run_dir / "checkpoint-final", died / "checkpoint-final", atol=1e-6)
 
 
 def test_the_in_process_loop_reproduces_the_ray_job(two_step_run, tmp_path):
@@ -357,8 +366,14 @@ def _same_tensors_as(model, checkpoint):
 
 
 def _same_tensors(a, b):
+    return _close_tensors(a, b, atol=0.0)
+
+
+def _close_tensors(a, b, atol):
     first, second = (load_file(str(d / "model.safetensors")) for d in (a, b))
-    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    return first.keys() == second.keys() and all(
+        torch.allclose(first[k], second[k], rtol=0.0, atol=atol) for k in first
+    )
 
 
 def test_trees_over_the_token_budget_are_split_and_trained(make_cfg, tiny_policy):
