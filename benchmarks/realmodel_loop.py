@@ -47,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +61,7 @@ from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 BUCKETS = ((1, 7), (8, 15), (16, 10**6))
 
 
-def _median_seconds(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -76,15 +77,15 @@ def machine_limits() -> dict[str, float]:
     roofline every ratio here is taken against."""
     big = torch.rand(2**27)  # 512 MiB
     out = torch.empty_like(big)
-    read = big.nbytes / _median_seconds(big.sum, 5) / 1e9
-    copy = 2 * big.nbytes / _median_seconds(lambda: out.copy_(big), 5) / 1e9
+    read = big.nbytes / median_seconds(big.sum, 5) / 1e9
+    copy = 2 * big.nbytes / median_seconds(lambda: out.copy_(big), 5) / 1e9
     a, layer = torch.rand(1024, 1024), torch.nn.Linear(1024, 1024, bias=False)
     flops = 2 * 1024**3
     with torch.no_grad():
-        rates = {"matmul_torch_gflop_s": flops / _median_seconds(lambda: layer(a), 20) / 1e9}
+        rates = {"matmul_torch_gflop_s": flops / median_seconds(lambda: layer(a), 20) / 1e9}
         if onednn_available(a.device):
             with OneDNNLinears(layer, batch_hint=1024).active():
-                rates["matmul_onednn_gflop_s"] = flops / _median_seconds(lambda: layer(a), 20) / 1e9
+                rates["matmul_onednn_gflop_s"] = flops / median_seconds(lambda: layer(a), 20) / 1e9
     return {"read_gb_s": read, "copy_gb_s": copy, "matmul_gflop_s": max(rates.values()), **rates}
 
 
@@ -277,6 +278,14 @@ def as_the_jobs_run(preset: str, overrides: list[str]) -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **env})
 
 
+def write_results(out: Path, result: dict, markdown: Callable[[dict], str]) -> None:
+    """``result`` as ``out/results.json`` and its table as ``out/results.md``, which is printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(markdown(result))
+    print(markdown(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="smollm2-135m-search-qa")
@@ -288,12 +297,7 @@ def main() -> None:
     if args.updates < 2:
         parser.error("--updates must be at least 2: the learner's rates leave out update 1")
     as_the_jobs_run(args.preset, args.set)
-    result = run(args.preset, args.updates, args.threads, args.set)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(Path(args.out), run(args.preset, args.updates, args.threads, args.set), markdown)
 
 
 if __name__ == "__main__":
