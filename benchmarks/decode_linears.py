@@ -41,6 +41,8 @@ import torch
 
 from treegrpo_ray.config import load_config
 from treegrpo_ray.learners.policies import resolve_model_path
+from treegrpo_ray.onednn_linear import _linear as packed_linear
+from treegrpo_ray.onednn_linear import _pack as pack_weight
 
 PATHS = ("torch", "onednn", "inductor")
 
@@ -79,11 +81,8 @@ def path_call(path: str, weights: list[torch.Tensor], rows: int):
         module = Linears(weights)
         return lambda: module(inputs)
     if path == "onednn":
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-        return lambda: [
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-            for x, w in zip(inputs, packed, strict=True)
-        ]
+        packed = [pack_weight(w, rows) for w in weights]
+        return lambda: [packed_linear(x, w, None) for x, w in zip(inputs, packed, strict=True)]
     import torch._inductor.config as inductor
 
     inductor.freezing = True
