@@ -16,8 +16,10 @@ Reported, as ratios to the limits:
 - decode steps: time against the roofline, the slower of the memory roofline (all weights plus
   the rows' KV read once at the read bandwidth) and the step's matmuls at the matmul throughput
   (per batch-size bucket, median over the steps);
-- prefill: FLOP/s (2 x non-embedding parameters per token, plus the LM head at one position a row)
-  against the matmul throughput;
+- prefill (rows joining an idle engine): FLOP/s (2 x non-embedding parameters per token, plus
+  the LM head at one position a row) against the matmul throughput;
+- mixed steps (decoding rows and joining rows' prefixes in one forward): time against the
+  roofline, the slower of the memory roofline and the step's matmuls (median over the steps);
 - learner: unique tokens/s of the reference pass (forward) and of forward + backward, and their
   FLOP/s against the matmul throughput: a forward costs 2 x non-embedding parameters per token plus
   the LM head where an action token is predicted; a LoRA backward costs one forward more (input
@@ -102,24 +104,25 @@ def model_sizes(engine: HFEngine) -> dict[str, float]:
     }
 
 
-def decode_roofline(step: ForwardTrace, sizes: dict, limits: dict) -> tuple[float, float]:
-    """Seconds a decode step takes at the limits: all weights plus the rows' KV read once at
-    the read bandwidth, and its matmul FLOPs at the matmul throughput (one token a row)."""
+def step_roofline(step: ForwardTrace, sizes: dict, limits: dict) -> tuple[float, float]:
+    """Seconds a forward takes at the limits: all weights plus the rows' KV read once at the
+    read bandwidth, and its matmul FLOPs at the matmul throughput (the body for every token fed,
+    the LM head once a row)."""
     memory = (sizes["weight_bytes"] + step.context * sizes["kv_token_bytes"]) / limits["read_gb_s"]
-    flops = 2 * (sizes["body_params"] + sizes["head_params"]) * step.rows
+    flops = 2 * sizes["body_params"] * step.tokens + 2 * sizes["head_params"] * step.rows
     return memory / 1e9, flops / limits["matmul_gflop_s"] / 1e9
 
 
 def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, dict]:
     """Per batch-size bucket: steps, median ms, median ratio to the roofline (the slower of
-    memory and matmul, ``decode_roofline``) and to the memory roofline alone, and the share of
+    memory and matmul, ``step_roofline``) and to the memory roofline alone, and the share of
     steps the matmuls bound."""
     out = {}
     for low, high in BUCKETS:
         steps = [t for t in trace if t.kind == "decode" and low <= t.rows <= high]
         if not steps:
             continue
-        bounds = [decode_roofline(t, sizes, limits) for t in steps]
+        bounds = [step_roofline(t, sizes, limits) for t in steps]
         roofline = [max(b) for b in bounds]
         out[f"{low}-{high if high < 10**6 else ''}"] = {
             "steps": len(steps),
@@ -135,6 +138,23 @@ def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[
             "matmul_bound_share": sum(b[1] > b[0] for b in bounds) / len(bounds),
         }
     return out
+
+
+def mixed_ratio(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
+    """Forwards that decode some rows and prefill others: how many, their median rows, tokens
+    and ms, and their median ratio to the roofline (``step_roofline``); empty if none."""
+    steps = [t for t in trace if t.kind == "mixed"]
+    if not steps:
+        return {}
+    return {
+        "steps": len(steps),
+        "median_rows": statistics.median(t.rows for t in steps),
+        "median_tokens": statistics.median(t.tokens for t in steps),
+        "median_ms": 1e3 * statistics.median(t.seconds for t in steps),
+        "roofline_ratio": statistics.median(
+            t.seconds / max(step_roofline(t, sizes, limits)) for t in steps
+        ),
+    }
 
 
 def prefill_rate(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
@@ -223,6 +243,7 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
         },
         "decode": decode_ratios(engine.trace, sizes, limits),
         "prefill": prefill_rate(engine.trace, sizes, limits),
+        "mixed": mixed_ratio(engine.trace, sizes, limits),
         # update 1 pays the one-time costs (ppo.compile_layers' compiles), so rates are of the rest
         "learner": learner_rates(learned[1:], sizes, limits, cfg.model.lora.enabled),
         "learner_first_update_s": learned[0]["timing/ref_logprobs"] + learned[0]["timing/optimize"],
@@ -256,6 +277,12 @@ def markdown(r: dict) -> str:
             f"{d['median_context']:.0f} KV tokens; {d['steps']} steps) | {d['median_ms']:.1f} ms "
             f"| {d['roofline_ratio']:.2f}x the roofline ({d['memory_roofline_ratio']:.2f}x the "
             f"memory roofline; matmuls bind {d['matmul_bound_share']:.0%} of steps) |"
+        )
+    if mx := r.get("mixed"):
+        lines.append(
+            f"| mixed step: decoding rows and joining prefixes (median {mx['median_rows']:.0f} "
+            f"rows, {mx['median_tokens']:.0f} tokens; {mx['steps']} steps) | "
+            f"{mx['median_ms']:.1f} ms | {mx['roofline_ratio']:.2f}x the roofline |"
         )
     lines += [
         f"| learner reference pass, unique tokens/s | {le['reference_tokens_per_s']:.0f} "

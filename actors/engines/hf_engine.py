@@ -2,8 +2,9 @@
 batched.
 
 Requests wait in a queue and join the running batch as soon as a slot is free; every ``step``
-feeds the running rows one token each, and a row that finishes leaves the batch at once (its KV
-goes to the prefix cache), so the batch stays full across requests of any length. KV lives in
+is one forward that feeds the running rows one token each and the joining rows their uncached
+prefixes, and a row that finishes leaves the batch at once (its KV goes to the prefix cache), so
+the batch stays full across requests of any length. KV lives in
 preallocated slots written in place (``slot_kv.SlotKV``), and the prefix cache serves the KV of
 prefixes computed by earlier requests. Each request samples from its own generator when its
 ``SamplingParams.seed`` is set, so a request's tokens do not depend on which other requests share
@@ -22,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
-from treegrpo_ray.actors.engines.slot_kv import SlotKV, attending_through_slots
+from treegrpo_ray.actors.engines.slot_kv import NO_MASK, SlotKV, attending_through_slots
 from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
 from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
@@ -47,8 +48,9 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 @dataclass(frozen=True)
 class ForwardTrace:
-    """One forward of the engine (``HFEngine.trace``): a prefill of joining requests or a decode
-    step; rows, tokens fed, KV tokens attended over (the rows' lengths after it), seconds."""
+    """One forward of the engine (``HFEngine.trace``): ``decode`` (the running rows, one token
+    each), ``prefill`` (rows that join an empty batch) or ``mixed`` (both); rows computed, tokens
+    fed, KV tokens attended over (the rows' lengths after it), seconds."""
 
     kind: str
     rows: int
@@ -182,9 +184,9 @@ class HFEngine:
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
     requests as they become known (the rollout worker submits an episode's next turn when its
-    observation is back): each ``step`` admits waiting requests into free slots (one batched
-    prefill of their uncached tokens), decodes one token of every running row, and returns the
-    requests that finished.
+    observation is back): each ``step`` admits waiting requests into free slots and, in one
+    forward, decodes one token of every running row and computes the joining rows' uncached
+    tokens (drawing their first); it returns the requests that finished.
     """
 
     def __init__(
@@ -223,7 +225,7 @@ class HFEngine:
             head_dim,
             model.dtype,
             self.device,
-            max_capacity=self.max_positions + 1,
+            max_capacity=self.max_positions,
         )
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i
@@ -300,16 +302,19 @@ class HFEngine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Admit waiting requests, decode one token of every running row; returns the
-        ``(tag, result)`` of every request that finished."""
-        finished = self._admit() + self._retire()  # a first token may already end a request
+        """Admit waiting requests, then one forward: a token of every running row and the first
+        of every joining one; returns the ``(tag, result)`` of every request that finished."""
+        decoding = len(self.running)
+        refused, distinct = self._admit()
         if self.running:
-            self._decode()
-        return finished + self._retire()
+            self._advance(decoding, distinct)
+        return refused + self._retire()
 
-    def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill as many waiting requests as there are free slots, in one forward, and draw
-        their first tokens; a prefix with no room left finishes at once ("context")."""
+    def _admit(self) -> tuple[list[tuple[Hashable, GenerationResult]], int]:
+        """Move as many waiting requests as there are free slots to the running rows (identical
+        prefixes then share one computation: the first of each first); returns the requests
+        refused at once (a prefix with no room left finishes with "context") and how many of the
+        joining rows have distinct prefixes."""
         joining: list[_Row] = []
         refused = []
         limit = self._throttled_limit() if self.waiting else self.max_num_seqs
@@ -322,15 +327,11 @@ class HFEngine:
                 joining.append(self.waiting.popleft())
             else:
                 break
-        if joining:
-            first, distinct = len(self.running), len(joining)
-            if self.cache.enabled:  # identical prefixes then share one prefill (_prefill)
-                joining, distinct = _distinct_prefixes_first(joining)
-            self.running += joining
-            logits = self._prefill(first, joining, distinct)
-            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.nbytes)
-            self._record(joining, logits)
-        return refused
+        distinct = len(joining)
+        if joining and self.cache.enabled:
+            joining, distinct = _distinct_prefixes_first(joining)
+        self.running += joining
+        return refused, distinct
 
     def _throttled_limit(self) -> int:
         """Rows the batch may hold now: ``max_num_seqs``; or, with the node near Ray's kill
@@ -347,9 +348,9 @@ class HFEngine:
         return max(1, len(self.running))
 
     def _capacity(self, rows: list[_Row]) -> int:
-        """KV columns the rows' requests can need: prefix + new tokens, plus the scratch."""
+        """KV columns the rows' requests can need: prefix + new tokens."""
         longest = max(len(r.request.prefix_ids) + r.request.params.max_new_tokens for r in rows)
-        return min(longest, self.max_positions) + 1
+        return min(longest, self.max_positions)
 
     def _fits(self, running: int, joining: list[_Row]) -> bool:
         """Whether slots for ``joining`` beside ``running`` rows (no more: unused ones are freed
@@ -361,45 +362,67 @@ class HFEngine:
         _, capacity = self.kv.grown(slots, self._capacity(joining))
         return self.kv.bytes_for(slots, capacity) <= self.max_kv_bytes
 
-    def _prefill(self, first: int, rows: list[_Row], distinct: int) -> torch.Tensor:
-        """Copy each row's cached prefix KV into its slot and run the rest of its prefix (at
-        least the last token) through the model; returns the logits (k, V) of the last tokens.
-        Only the first ``distinct`` rows compute: each later one repeats the prefix of one of
-        them (``_distinct_prefixes_first``) and copies its KV and logits (G samples of one
-        prompt, or n branches of one node, prefill it once)."""
-        slots, capacity = first + len(rows), self._capacity(rows)
+    def _advance(self, decoding: int, distinct: int) -> None:
+        """One forward of the running rows: the first ``decoding`` feed their last sampled token;
+        each later one joined at this step, its cached prefix KV copied into its slot and the
+        rest of its prefix (at least the last token) fed. Only the first ``distinct`` joining
+        rows compute: each later one repeats the prefix of one of them
+        (``_distinct_prefixes_first``) and copies its KV and logits (G samples of one prompt, or
+        n branches of one node, prefill it once). Every row then draws its next token."""
+        joining = self.running[decoding:]
+        if joining:
+            self._reserve(len(self.running), self._capacity(joining))
+        computed = joining[:distinct]
+        starts = [r.length for r in self.running[:decoding]]
+        fed = [[r.token_ids[-1]] for r in self.running[:decoding]]
+        for slot, row in enumerate(computed, start=decoding):
+            fed.append(self._place_prefix(slot, row))
+            starts.append(row.cached)
+        logits = self._forward(decoding, fed, torch.tensor(starts))
+        for row in self.running[:decoding]:
+            row.length += 1
+        if joining:
+            logits = torch.cat([logits, self._share_prefixes(decoding, distinct)(logits)])
+        self._record(self.running, logits)
+
+    def _reserve(self, slots: int, capacity: int) -> None:
+        """KV slots for ``slots`` rows of up to ``capacity`` columns; unused slots are freed first
+        where keeping them would pass ``max_kv_bytes``."""
         if (
             self.max_kv_bytes is not None
             and self.kv.slots > slots
             and self.kv.bytes_for(*self.kv.grown(slots, capacity)) > self.max_kv_bytes
         ):
-            self.kv.shrink(slots)  # unused slots kept would pass the bound
+            self.kv.shrink(slots)
         self.kv.reserve(slots, capacity)
-        computed = rows[:distinct]
-        new_ids = []
-        for slot, row in enumerate(computed, start=first):
-            prefix = row.request.prefix_ids
-            match = self.cache.match(prefix[:-1])
-            at = 0
-            for piece in match.pieces:
-                self.kv.write(slot, at, piece)
-                at += piece[0][0].shape[1]
-            row.cached, row.length = match.length, len(prefix)
-            new_ids.append(prefix[match.length :])
-            self.cache.stats.prefill_tokens += len(prefix) - match.length
-            self.cache.stats.cached_tokens += match.length
-        starts = torch.tensor([r.cached for r in computed])
-        counts = torch.tensor([len(ids) for ids in new_ids])
-        input_ids = torch.full((distinct, int(counts.max())), self.pad_token_id)
-        for i, ids in enumerate(new_ids):
-            input_ids[i, input_ids.shape[1] - len(ids) :] = torch.tensor(ids)
-        sizes = (int(counts.sum()), int((starts + counts).sum()))
-        logits = self._forward("prefill", input_ids, *sizes, *self.kv.begin(first, starts, counts))
-        slot_of = {row.request.prefix_ids: slot for slot, row in enumerate(computed, start=first)}
-        sources = [slot_of[row.request.prefix_ids] for row in rows[distinct:]]
-        for slot, (row, source) in enumerate(
-            zip(rows[distinct:], sources, strict=True), start=first + distinct
-        ):
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv.nbytes)
+
+    def _place_prefix(self, slot: int, row: _Row) -> list[int]:
+        """Copy the longest cached part of ``row``'s prefix (all but its last token at most)
+        into ``slot``; returns the prefix tokens left to feed."""
+        prefix = row.request.prefix_ids
+        match = self.cache.match(prefix[:-1])
+        at = 0
+        for piece in match.pieces:
+            self.kv.write(slot, at, piece)
+            at += piece[0][0].shape[1]
+        row.cached, row.length = match.length, len(prefix)
+        self.cache.stats.prefill_tokens += len(prefix) - match.length
+        self.cache.stats.cached_tokens += match.length
+        return list(prefix[match.length :])
+
+    def _share_prefixes(
+        self, decoding: int, distinct: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Give each joining row past the first ``distinct`` the KV of the computed row with its
+        prefix; returns how to pick their logits (k, V) from the forward's."""
+        slot_of = {}
+        for slot in range(decoding, decoding + distinct):
+            slot_of[self.running[slot].request.prefix_ids] = slot
+        sources = []
+        for slot in range(decoding + distinct, len(self.running)):
+            row = self.running[slot]
+            source = slot_of[row.request.prefix_ids]
             original = self.running[source]
             self.kv.move(source, slot, original.length)
             row.cached, row.length = original.cached, original.length
@@ -407,19 +430,8 @@ class HFEngine:
             stats = self.cache.stats  # served whole without computing: a lookup that hit
             stats.lookups, stats.hits = stats.lookups + 1, stats.hits + 1
             stats.cached_tokens += original.length
-        return torch.cat([logits, logits[[s - first for s in sources]]])
-
-    def _decode(self) -> None:
-        """Feed every running row its last sampled token and draw the next one."""
-        rows = self.running
-        lengths = torch.tensor([r.length for r in rows])
-        input_ids = torch.tensor([[r.token_ids[-1]] for r in rows])
-        begun = self.kv.begin(0, lengths, torch.ones_like(lengths))
-        sizes = (len(rows), int(lengths.sum()) + len(rows))
-        logits = self._forward("decode", input_ids, *sizes, *begun)
-        for row in rows:
-            row.length += 1
-        self._record(rows, logits)
+            sources.append(source)
+        return lambda logits: logits[sources]
 
     def _record(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row, (token, logprob, entropy) in zip(rows, sample_rows(rows, logits), strict=True):
@@ -449,30 +461,30 @@ class HFEngine:
         ids = row.request.prefix_ids + tuple(row.token_ids[:-1])
         self.cache.insert(ids, self.kv.read(slot, row.cached, row.length), start=row.cached)
 
-    def _forward(
-        self,
-        kind: str,
-        input_ids: torch.Tensor,
-        tokens: int,
-        context: int,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits of each row's last position: (B, V) as float32 on the CPU. ``kind``, ``tokens``
-        (real tokens fed) and ``context`` (KV tokens attended over) go to ``trace``."""
+    def _forward(self, decoding: int, fed: list[list[int]], starts: torch.Tensor) -> torch.Tensor:
+        """One packed forward of the rows in slots 0..k-1: ``fed[r]`` the tokens the row in slot
+        r feeds at columns ``starts[r]..`` (one each for the first ``decoding``). Returns the
+        logits (k, V) of each row's last token, float32 on the CPU."""
         start = time.perf_counter()
+        counts = torch.tensor([len(ids) for ids in fed])
+        position_ids, plan = self.kv.begin(starts, counts, decoding)
+        input_ids = torch.tensor([token for ids in fed for token in ids])[None]
+        last = torch.cumsum(counts, 0) - 1
         linears = OneDNNLinears.active_if(self.linears)
         with attending_through_slots(self.model.config), linears:
             out = self.model(
                 input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask,
+                attention_mask=NO_MASK.to(self.device),
                 position_ids=position_ids,
                 past_key_values=self.kv,
                 use_cache=True,
-                logits_to_keep=1,  # the LM head only where the next token is drawn
+                logits_to_keep=last.to(self.device),  # the LM head only where a token is drawn
+                slot_plan=plan,
             )
-        logits = out.logits[:, -1, :].float().cpu()
+        logits = out.logits[0].float().cpu()
         if self.trace is not None:
+            kind = "decode" if decoding == len(fed) else "mixed" if decoding else "prefill"
+            context = int((starts + counts).sum())
             seconds = time.perf_counter() - start
-            self.trace.append(ForwardTrace(kind, len(input_ids), tokens, context, seconds))
+            self.trace.append(ForwardTrace(kind, len(fed), int(counts.sum()), context, seconds))
         return logits

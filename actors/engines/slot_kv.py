@@ -6,28 +6,63 @@ KV heads for every query head (another copy); a padded batch also keeps feeding 
 CPU, where decoding a small model is bound by memory traffic, that put the decode step 7-11x
 above its memory roofline (issue 27). Here each running sequence owns a slot: per layer a
 ``(slots, kv_heads, capacity, head_dim)`` buffer for keys and one for values, allocated once
-and grown only when a longer sequence arrives. A step writes each row's new token at that row's
-own length, and attention reads the rows' prefixes as views of the buffers, grouped heads
+and grown only when a longer sequence arrives. A forward writes each row's new tokens at that
+row's own columns, and attention reads the rows' prefixes as views of the buffers, grouped heads
 sharing their KV (``slot_attention``: measured here, repeating the KV heads cost more than the
-attention itself). Rows are kept compact (row i in slot i), so a decode
-batch is the buffers' first n slots.
+attention itself). Rows are kept compact (row i in slot i).
+
+A forward's tokens are packed in one sequence ``(1, T)``, without padding: one token of each
+decoding row first, then the new tokens (the uncached prefix) of each row that joins. So rows
+join in the forward that decodes the others, as vLLM schedules them: a prefill of its own read
+every weight once more for a few tokens (15 new tokens cost about what a decode step of 26 rows
+did, issue 27). ``SlotPlan`` says where each row's tokens are.
 
 ``SlotKV`` is handed to the model as ``past_key_values``: Llama / Qwen2 attention layers call
 only ``update(key_states, value_states, layer_idx)`` when the attention mask is given as a 4D
-tensor (transformers 5.20, ``masking_utils._preprocess_mask_arguments`` returns it unchanged).
-The model must run ``slot_attention`` (``attending_through_slots``), which takes that mask as an
-additive ``(B, 1, q, L)`` tensor, 0 where a query may attend.
+tensor (transformers 5.20, ``masking_utils._preprocess_mask_arguments`` returns it unchanged),
+and hand the forward's extra keyword arguments to the attention function: the model runs
+``slot_attention`` (``attending_through_slots``) with the plan as ``slot_plan``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SLOT_ATTENTION = "treegrpo_slots"
+# the model's attention mask: transformers hands a 4D one on as it is, and slot_attention reads
+# the plan's masks instead
+NO_MASK = torch.zeros(1, 1, 1, 1)
+
+
+@dataclass(frozen=True)
+class Joining:
+    """A row feeding several tokens (its uncached prefix) in a packed forward: its slot, the
+    span ``start..start+count-1`` of its tokens in the packed sequence, and its causal mask
+    ``(1, 1, count, width)`` (additive) over the columns ``0..width-1`` it attends."""
+
+    slot: int
+    start: int
+    count: int
+    width: int
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where a packed forward's tokens are: the first ``decoding`` are one token each of the
+    rows in slots ``0..decoding-1``, which attend as one batch over the first ``decode_width``
+    columns with ``decode_mask`` ``(decoding, 1, 1, decode_width)`` (additive); the rest are
+    the tokens of the ``joining`` rows."""
+
+    decoding: int
+    decode_width: int
+    decode_mask: torch.Tensor | None
+    joining: tuple[Joining, ...]
 
 
 def slot_attention(
@@ -38,29 +73,51 @@ def slot_attention(
     attention_mask: torch.Tensor,
     scaling: float | None = None,
     dropout: float = 0.0,
+    slot_plan: SlotPlan | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Masked attention over KV views of the slots, grouped heads reading their KV in place.
+    """Masked attention of a packed forward over KV views of the slots, grouped heads reading
+    their KV in place.
 
-    query: (B, H, q, D); key, value: (B, Hkv, L, D), H = G * Hkv (query head h reads KV head
-    h // G, as ``repeat_kv``, but without repeating); attention_mask: (B, 1, q, L) additive
-    (0 where a query may attend, -inf elsewhere). Returns the output as (B, q, H, D) and no
-    weights, as transformers' attention functions do.
+    query: (1, H, T, D), the forward's T tokens as ``slot_plan`` places them; key, value: a
+    layer's whole buffers (slots, Hkv, capacity, D), H = G * Hkv (query head h reads KV head
+    h // G, as ``repeat_kv``, but without repeating); attention_mask: unused (``NO_MASK``).
+    Returns the output as (1, T, H, D) and no weights, as transformers' attention functions do.
 
-    The G query heads of a KV head attend as G * q queries of one head, so each KV head is read
-    once per row (``enable_gqa`` has the kernel read it once per query head). On CPU, 16 decode
-    rows of ~250 tokens, SmolLM2's heads: 22.9 ms over 30 layers, against 26.6 ms with
-    ``enable_gqa`` and the boolean mask (issue 27)."""
-    batch, heads, width_q, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads * width_q, dim)
-    mask = attention_mask.expand(batch, heads // kv_heads, width_q, -1).reshape(
-        batch, 1, heads // kv_heads * width_q, -1
-    )
-    out = torch.nn.functional.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=mask, scale=scaling
-    )
-    return out.view(batch, heads, width_q, dim).transpose(1, 2).contiguous(), None
+    The G query heads of a KV head attend as G queries of one head, so each KV head is read once
+    per row (``enable_gqa`` has the kernel read it once per query head). On CPU, 16 decode rows
+    of ~250 tokens, SmolLM2's heads: 22.9 ms over 30 layers, against 26.6 ms with ``enable_gqa``
+    and the boolean mask (issue 27)."""
+    assert slot_plan is not None, "slot_attention reads the forward's SlotPlan (SlotKV.begin)"
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    group = heads // kv_heads
+    outputs = []
+    if slot_plan.decoding:
+        rows, width = slot_plan.decoding, slot_plan.decode_width
+        grouped = query[0, :, :rows].transpose(0, 1).reshape(rows, kv_heads, group, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped,
+            key[:rows, :, :width],
+            value[:rows, :, :width],
+            attn_mask=slot_plan.decode_mask,
+            scale=scaling,
+        )
+        outputs.append(out.reshape(rows, heads, dim))
+    for row in slot_plan.joining:
+        count = row.count
+        grouped = query[:, :, row.start : row.start + count].reshape(
+            1, kv_heads, group * count, dim
+        )
+        mask = row.mask.expand(1, group, count, -1).reshape(1, 1, group * count, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped,
+            key[row.slot : row.slot + 1, :, : row.width],
+            value[row.slot : row.slot + 1, :, : row.width],
+            attn_mask=mask,
+            scale=scaling,
+        )
+        outputs.append(out.view(heads, count, dim).transpose(0, 1))
+    return torch.cat(outputs)[None], None
 
 
 @contextlib.contextmanager
@@ -83,12 +140,10 @@ class SlotKV:
     """Per-layer key and value buffers ``(slots, kv_heads, capacity, head_dim)``.
 
     A token's column is its position on its own path, so a slot holds its sequence from column 0.
-    The last column is scratch: the padding queries of a batched prefill write there, and no
-    sequence reaches it (``capacity`` covers the longest one plus one).
-    Before each forward the engine calls ``begin(first, starts, counts)``: rows ``first..first+k-1``
-    each feed ``counts[r]`` new tokens at columns ``starts[r]..``, left-padded to the longest so
-    that every row's last token comes last (decoding: every count 1). ``update`` then writes them
-    and returns the KV the queries attend over.
+    Before each forward the engine calls ``begin(starts, counts, decoding)``: the row in slot r
+    feeds ``counts[r]`` new tokens at columns ``starts[r]..``, packed in slot order, the first
+    ``decoding`` rows one token each. ``update`` then writes them and returns a layer's buffers,
+    which ``slot_attention`` reads through the plan ``begin`` returned.
     """
 
     def __init__(
@@ -101,13 +156,11 @@ class SlotKV:
         max_capacity: int = 2**62,
     ):
         self.shape = (0, kv_heads, 0, head_dim)
-        self.max_capacity = max_capacity  # no slot grows past it (the engine's positions + 1)
+        self.max_capacity = max_capacity  # no slot grows past it (the engine's positions)
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = [self._empty() for _ in range(layers)]
         self.values: list[torch.Tensor] = [self._empty() for _ in range(layers)]
-        self._rows = slice(0, 0)
         self._index: torch.Tensor | None = None  # the new tokens' rows in a flat buffer view
-        self._width = 0
 
     def _empty(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
@@ -143,19 +196,18 @@ class SlotKV:
         return slots * capacity * self.token_bytes()
 
     def reserve(self, slots: int, capacity: int) -> None:
-        """At least ``slots`` slots of ``capacity`` columns (scratch included), keeping what is
-        written (``grown``)."""
+        """At least ``slots`` slots of ``capacity`` columns, keeping what is written
+        (``grown``)."""
         old_slots, heads, old_capacity, dim = self.shape
         if slots <= old_slots and capacity <= old_capacity:
             return
         new_slots, new_capacity = self.grown(slots, capacity)
         self.shape = (new_slots, heads, new_capacity, dim)
-        kept = old_capacity - 1  # the old scratch column is not kept
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = self._empty()
-                if old_slots and kept > 0:
-                    new[:old_slots, :, :kept] = old[:, :, :kept]
+                if old_slots and old_capacity:
+                    new[:old_slots, :, :old_capacity] = old
                 buffers[i] = new
 
     def shrink(self, slots: int) -> None:
@@ -168,32 +220,42 @@ class SlotKV:
                 buffers[i] = old[:slots].clone()
 
     def begin(
-        self, first: int, starts: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Place the next forward's tokens; returns its ``(attention_mask, position_ids)``.
+        self, starts: torch.Tensor, counts: torch.Tensor, decoding: int
+    ) -> tuple[torch.Tensor, SlotPlan]:
+        """Place the next forward's tokens; returns its ``(1, T)`` position ids and its plan.
 
-        starts, counts: (k,) long. Query i of row r (of Q = max(counts)) is real when
-        i >= Q - counts[r], at position starts[r] + i - (Q - counts[r]); it sees the columns up
-        to its position. A padding query writes to the scratch column and sees the row's first
-        new token only (a row of the mask is never empty). Returns a (k, 1, Q, W) additive mask
-        (``slot_attention``), W = max(starts + counts), and (k, Q) long position ids (0 on
-        padding)."""
-        k, width_q = len(starts), int(counts.max())
-        offsets = torch.arange(width_q) - (width_q - counts[:, None])  # (k, Q), < 0 on padding
-        real = offsets >= 0
-        positions = torch.where(real, starts[:, None] + offsets, 0)
-        columns = torch.where(real, positions, self.capacity - 1)
-        self._width = int((starts + counts).max())
-        keys = torch.arange(self._width)
-        seen = torch.where(
-            real[..., None], keys <= positions[..., None], keys == starts[:, None, None]
-        )
-        mask = torch.zeros(seen.shape, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
+        starts, counts: (k,) long, for the rows in slots 0..k-1: the row in slot r feeds
+        ``counts[r]`` tokens at positions (= columns) ``starts[r]..``, each seeing the columns up to
+        its own; the first ``decoding`` rows feed one token each. T = counts.sum()."""
+        slots = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (T,) each token's
+        row_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        positions = torch.repeat_interleave(starts, counts) + torch.arange(len(slots)) - row_start
         _, heads, capacity, _ = self.shape
-        rows = torch.arange(first, first + k)[:, None, None] * heads + torch.arange(heads)[:, None]
-        self._rows = slice(first, first + k)
-        self._index = (rows * capacity + columns[:, None, :]).flatten().to(self.device)
-        return mask[:, None].to(self.device), positions.to(self.device)
+        rows = slots[None, :] * heads + torch.arange(heads)[:, None]  # (Hkv, T), as update's
+        self._index = (rows * capacity + positions).flatten().to(self.device)
+        return positions[None].to(self.device), self._plan(starts, counts, decoding)
+
+    def _plan(self, starts: torch.Tensor, counts: torch.Tensor, decoding: int) -> SlotPlan:
+        """The ``SlotPlan`` of ``begin``'s rows, with their masks on the device."""
+        lengths = starts[:decoding]
+        width = int(lengths.max()) + 1 if decoding else 0
+        decode_mask = None
+        if decoding:
+            hidden = torch.arange(width) > lengths[:, None]  # (decoding, width)
+            decode_mask = self._additive(hidden)[:, None, None]
+        joining, at = [], decoding
+        for slot in range(decoding, len(counts)):
+            start, count = int(starts[slot]), int(counts[slot])
+            hidden = torch.arange(start + count) > start + torch.arange(count)[:, None]
+            mask = self._additive(hidden)[None, None]
+            joining.append(Joining(slot, at, count, start + count, mask))
+            at += count
+        return SlotPlan(decoding, width, decode_mask, tuple(joining))
+
+    def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
+        """-inf where ``hidden``, 0 elsewhere, in the buffers' dtype, on their device."""
+        mask = torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, float("-inf"))
+        return mask.to(self.device)
 
     def update(
         self,
@@ -202,7 +264,8 @@ class SlotKV:
         layer_idx: int,
         cache_kwargs: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' KV (k, Hkv, Q, D) and return the rows' KV (k, Hkv, W, D)."""
+        """Write the new tokens' KV (1, Hkv, T, D) and return the layer's buffers (slots, Hkv,
+        capacity, D): ``slot_attention`` reads each row's columns through the plan."""
         assert self._index is not None, "begin() places the tokens of a forward"
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         dim = self.shape[3]
@@ -210,7 +273,7 @@ class SlotKV:
         # assigning through advanced indexing (a decode step's 2 x layers writes, issue 27)
         keys.view(-1, dim).index_copy_(0, self._index, key_states.reshape(-1, dim))
         values.view(-1, dim).index_copy_(0, self._index, value_states.reshape(-1, dim))
-        return keys[self._rows, :, : self._width], values[self._rows, :, : self._width]
+        return keys, values
 
     def write(self, slot: int, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy per-layer KV ``(kv_heads, n, head_dim)`` into ``slot`` at columns ``start..``."""

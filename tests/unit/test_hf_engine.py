@@ -53,6 +53,31 @@ def test_a_request_gives_the_same_tokens_whatever_the_batch_bound():
         )
 
 
+def test_a_row_joins_in_the_forward_that_decodes_the_others():
+    """Each step is one forward: a request that joins a running batch has its prefix computed in
+    the forward that decodes the others ("mixed"), not in a prefill of its own."""
+    model = build_tiny_model(TinyModelConfig(num_layers=2), vocab_size=VOCAB, seed=0).eval()
+    engine = HFEngine(model, pad_token_id=0, max_num_seqs=2)
+    engine.trace = []
+    requests = _requests()
+    for i, request in enumerate(requests):
+        engine.submit(request, tag=i)
+    steps = 0
+    while engine.pending():
+        engine.step()
+        steps += 1
+    assert len(engine.trace) == steps
+    # requests 0 and 1 (prefixes of 4 and 11 tokens) start together; 1 ends after its 3 tokens,
+    # and at step 4 request 2 (2 tokens) joins request 0, fed its 4 + 2 tokens so far
+    first = [(t.kind, t.rows, t.tokens, t.context) for t in engine.trace[:4]]
+    assert first == [
+        ("prefill", 2, 15, 15),
+        ("decode", 2, 2, 17),
+        ("decode", 2, 2, 19),
+        ("mixed", 2, 3, 7 + 2),
+    ]
+
+
 def test_decoding_equals_a_full_forward_of_the_sampled_path():
     """The KV written in place (compaction moves included) gives the log-probs a plain forward
     of prefix + sampled tokens gives, for every request of a bounded run."""
@@ -82,6 +107,28 @@ def test_slots_grow_and_keep_what_they_hold():
         assert torch.equal(key, want_key) and torch.equal(value, want_value)
     kv.move(0, 2, 3)
     assert torch.equal(kv.read(2, 0, 3)[1][0], written[1][0])
+
+
+def test_a_packed_forward_is_placed_row_by_row():
+    """Two decoding rows (4 and 2 tokens in their slots) and a joining row feeding 2 tokens after
+    3 cached ones: positions, masks, and where ``update`` writes, by hand."""
+    kv = SlotKV(layers=1, kv_heads=1, head_dim=1, dtype=torch.float32, device=torch.device("cpu"))
+    kv.reserve(slots=3, capacity=6)
+    positions, plan = kv.begin(torch.tensor([4, 2, 3]), torch.tensor([1, 1, 2]), decoding=2)
+    assert positions.tolist() == [[4, 2, 3, 4]]
+    inf = float("-inf")
+    assert (plan.decoding, plan.decode_width) == (2, 5)
+    assert plan.decode_mask is not None
+    assert plan.decode_mask[:, 0, 0].tolist() == [[0, 0, 0, 0, 0], [0, 0, 0, inf, inf]]
+    (joining,) = plan.joining
+    assert (joining.slot, joining.start, joining.count, joining.width) == (2, 2, 2, 5)
+    assert joining.mask[0, 0].tolist() == [[0, 0, 0, 0, inf], [0, 0, 0, 0, 0]]
+    keys, _ = kv.update(torch.tensor([1.0, 2, 3, 4]).view(1, 1, 4, 1), torch.zeros(1, 1, 4, 1), 0)
+    written = {
+        (slot, column): keys[slot, 0, column, 0].item()
+        for slot, column in keys[..., 0].nonzero()[:, [0, 2]].tolist()
+    }
+    assert written == {(0, 4): 1.0, (1, 2): 2.0, (2, 3): 3.0, (2, 4): 4.0}
 
 
 def test_a_kv_byte_budget_bounds_the_batch_and_changes_no_token():
