@@ -354,7 +354,7 @@ class HFEngine:
 
     def _fits(self, running: int, joining: list[_Row]) -> bool:
         """Whether slots for ``joining`` beside ``running`` rows (no more: unused ones are freed
-        first, ``_prefill``) stay within ``max_kv_bytes`` (always true for the first row: a
+        first, ``_reserve``) stay within ``max_kv_bytes`` (always true for the first row: a
         request runs, alone if need be)."""
         if self.max_kv_bytes is None or running + len(joining) == 1:
             return True
