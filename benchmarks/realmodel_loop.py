@@ -113,48 +113,42 @@ def step_roofline(step: ForwardTrace, sizes: dict, limits: dict) -> tuple[float,
     return memory / 1e9, flops / limits["matmul_gflop_s"] / 1e9
 
 
-def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, dict]:
-    """Per batch-size bucket: steps, median ms, median ratio to the roofline (the slower of
-    memory and matmul, ``step_roofline``) and to the memory roofline alone, and the share of
-    steps the matmuls bound."""
-    out = {}
-    for low, high in BUCKETS:
-        steps = [t for t in trace if t.kind == "decode" and low <= t.rows <= high]
-        if not steps:
-            continue
-        bounds = [step_roofline(t, sizes, limits) for t in steps]
-        roofline = [max(b) for b in bounds]
-        out[f"{low}-{high if high < 10**6 else ''}"] = {
-            "steps": len(steps),
-            "median_rows": statistics.median(t.rows for t in steps),
-            "median_context": statistics.median(t.context for t in steps),
-            "median_ms": 1e3 * statistics.median(t.seconds for t in steps),
-            "roofline_ratio": statistics.median(
-                t.seconds / r for t, r in zip(steps, roofline, strict=True)
-            ),
-            "memory_roofline_ratio": statistics.median(
-                t.seconds / b[0] for t, b in zip(steps, bounds, strict=True)
-            ),
-            "matmul_bound_share": sum(b[1] > b[0] for b in bounds) / len(bounds),
-        }
-    return out
-
-
-def mixed_ratio(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
-    """Forwards that decode some rows and prefill others: how many, their median rows, tokens
-    and ms, and their median ratio to the roofline (``step_roofline``); empty if none."""
-    steps = [t for t in trace if t.kind == "mixed"]
-    if not steps:
-        return {}
+def against_roofline(steps: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
+    """Of some forwards: how many, their median rows, tokens, KV tokens and ms, their median
+    ratio to the roofline (the slower of memory and matmul, ``step_roofline``) and to the memory
+    roofline alone, and the share of them the matmuls bound."""
+    bounds = [step_roofline(t, sizes, limits) for t in steps]
     return {
         "steps": len(steps),
         "median_rows": statistics.median(t.rows for t in steps),
         "median_tokens": statistics.median(t.tokens for t in steps),
+        "median_context": statistics.median(t.context for t in steps),
         "median_ms": 1e3 * statistics.median(t.seconds for t in steps),
         "roofline_ratio": statistics.median(
-            t.seconds / max(step_roofline(t, sizes, limits)) for t in steps
+            t.seconds / max(b) for t, b in zip(steps, bounds, strict=True)
         ),
+        "memory_roofline_ratio": statistics.median(
+            t.seconds / b[0] for t, b in zip(steps, bounds, strict=True)
+        ),
+        "matmul_bound_share": sum(b[1] > b[0] for b in bounds) / len(bounds),
     }
+
+
+def decode_ratios(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, dict]:
+    """``against_roofline`` of the decode steps, per batch-size bucket."""
+    out = {}
+    for low, high in BUCKETS:
+        steps = [t for t in trace if t.kind == "decode" and low <= t.rows <= high]
+        if steps:
+            out[f"{low}-{high if high < 10**6 else ''}"] = against_roofline(steps, sizes, limits)
+    return out
+
+
+def mixed_ratio(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:
+    """``against_roofline`` of the forwards that decode some rows and prefill others; empty if
+    none."""
+    steps = [t for t in trace if t.kind == "mixed"]
+    return against_roofline(steps, sizes, limits) if steps else {}
 
 
 def prefill_rate(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[str, float]:

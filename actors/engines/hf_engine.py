@@ -382,7 +382,7 @@ class HFEngine:
         for row in self.running[:decoding]:
             row.length += 1
         if joining:
-            logits = torch.cat([logits, self._share_prefixes(decoding, distinct)(logits)])
+            logits = torch.cat([logits, logits[self._share_prefixes(decoding, distinct)]])
         self._record(self.running, logits)
 
     def _reserve(self, slots: int, capacity: int) -> None:
@@ -411,11 +411,9 @@ class HFEngine:
         self.cache.stats.cached_tokens += match.length
         return list(prefix[match.length :])
 
-    def _share_prefixes(
-        self, decoding: int, distinct: int
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _share_prefixes(self, decoding: int, distinct: int) -> list[int]:
         """Give each joining row past the first ``distinct`` the KV of the computed row with its
-        prefix; returns how to pick their logits (k, V) from the forward's."""
+        prefix; returns the slot of that row for each, where their logits are."""
         slot_of = {}
         for slot in range(decoding, decoding + distinct):
             slot_of[self.running[slot].request.prefix_ids] = slot
@@ -431,7 +429,7 @@ class HFEngine:
             stats.lookups, stats.hits = stats.lookups + 1, stats.hits + 1
             stats.cached_tokens += original.length
             sources.append(source)
-        return lambda logits: logits[sources]
+        return sources
 
     def _record(self, rows: list[_Row], logits: torch.Tensor) -> None:
         for row, (token, logprob, entropy) in zip(rows, sample_rows(rows, logits), strict=True):
