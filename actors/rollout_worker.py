@@ -75,6 +75,7 @@ def make_engine(
         max_num_seqs=engine.max_num_seqs,
         max_kv_bytes=engine.kv_budget(workers_on_node),
         onednn_linears=engine.onednn_linears,
+        small_rows_kernel=engine.small_rows_kernel,
         max_model_len=engine.max_model_len,
     )
 

@@ -11,15 +11,18 @@ distinct as in the model, and the LM head. Paths:
 - ``onednn``: oneDNN with weights prepacked for the row count (``torch.ops.mkldnn``), the
   engine's path;
 - ``inductor``: ``torch.compile(mode="max-autotune")`` with weight freezing, inductor's C++ GEMM
-  template (weights prepacked at compile time) against ATen, autotuned per shape.
+  template (weights prepacked at compile time) against ATen, autotuned per shape;
+- ``small_rows``: the project's kernel (``treegrpo_ray.kernels.small_rows_linear``), which the engine
+  takes at most 16 rows.
 
 Per row count: milliseconds for all the linears (median), the weights' bytes per second, GFLOP/s,
 and the ratio to the linears' own roofline, the machine measured in the same run (read bandwidth
 and matmul throughput, as ``realmodel_loop.py``). A decode step cannot come closer to its roofline
 than its linears come to theirs.
 
-    python -m benchmarks.decode_linears [--rows 1 3 8 16 32] [--paths torch onednn inductor]
-        [--threads 2] [--out benchmarks/results/decode_linears]
+    python -m benchmarks.decode_linears [--rows 1 3 8 16 32]
+        [--paths torch onednn inductor small_rows] [--threads 2]
+        [--out benchmarks/results/decode_linears]
 
 Run it on an otherwise idle machine, with the preset's model prepared.
 """
@@ -40,11 +43,12 @@ from pathlib import Path
 import torch
 
 from treegrpo_ray.config import load_config
+from treegrpo_ray.kernels.small_rows_linear import load_kernel
 from treegrpo_ray.learners.policies import resolve_model_path
 from treegrpo_ray.onednn_linear import _linear as packed_linear
 from treegrpo_ray.onednn_linear import _pack as pack_weight
 
-PATHS = ("torch", "onednn", "inductor")
+PATHS = ("torch", "onednn", "inductor", "small_rows")
 
 
 def decode_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -83,6 +87,12 @@ def path_call(path: str, weights: list[torch.Tensor], rows: int):
     if path == "onednn":
         packed = [pack_weight(w, rows) for w in weights]
         return lambda: [packed_linear(x, w, None) for x, w in zip(inputs, packed, strict=True)]
+    if path == "small_rows":
+        kernel = load_kernel()
+        if kernel is None:
+            raise SystemExit("the small-rows kernel does not build here (its warning says why)")
+        blocked = [kernel.block(w) for w in weights]
+        return lambda: [kernel.linear(x, w, None) for x, w in zip(inputs, blocked, strict=True)]
     import torch._inductor.config as inductor
 
     inductor.freezing = True

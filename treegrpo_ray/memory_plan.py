@@ -1,7 +1,8 @@
 """What a job's processes hold in CPU memory, estimated before anything starts (``treegrpo plan``).
 
 Per rollout worker with the embedded engine: the process runtime, the weights, their
-oneDNN-packed copies (``engine.onednn_linears``), the prefix cache's budget
+oneDNN-packed copies (``engine.onednn_linears``) and blocked ones (``engine.small_rows_kernel``),
+the prefix cache's budget
 (``engine.cache_bytes``), the running rows' KV bound (``engine.max_kv_bytes``, or
 ``engine.max_num_seqs`` x ``engine.max_model_len``) and the freed memory glibc keeps as the cache
 churns. Per learner rank: the runtime, the weights, the trained parameters with
@@ -137,6 +138,10 @@ def _rollout_worker_base(cfg: JobConfig, sizes: ModelSizes) -> list[Term]:
     if cfg.engine.onednn_linears:
         packed = sizes.linear_params * sizes.param_bytes
         terms.append(Term("oneDNN-packed linear weights", packed, "engine.onednn_linears"))
+        if cfg.engine.small_rows_kernel and sizes.param_bytes == 4:  # it blocks float32 alone
+            terms.append(
+                Term("small-rows kernel's blocked weights", packed, "engine.small_rows_kernel")
+            )
     return terms
 
 

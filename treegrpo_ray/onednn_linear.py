@@ -15,8 +15,13 @@ input (an attention layer's q, k and v projections, an MLP's gate and up project
 Qwen2 call them one after another on the same tensor) are packed as one matrix, computed once
 by the first call and handed out in slices (``_Fused``): 4 calls a decoder layer instead of 7.
 
+For inference, a forward of at most ``MOST_ROWS`` rows (a decode step) can go through
+``treegrpo_ray.kernels.small_rows_linear`` instead, from a third copy of each weight in that kernel's
+blocks: on AVX2 CPUs oneDNN streams the weights at about half the memory's rate at those rows.
+
 The packed weights are copies (the model keeps its own, for state dicts and adapters): one per
-layer for inference, two with gradients. Pack again after the weights change.
+layer for inference (two with the small-rows kernel), two with gradients. Pack again after the
+weights change.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from treegrpo_ray.kernels.small_rows_linear import MOST_ROWS, SmallRowsKernel
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Sibling projections that read their parent's same input tensor (Llama / Qwen2 names).
@@ -76,10 +83,19 @@ class OneDNNLinears:
     batch_hint: the rows a forward usually has (oneDNN picks the layout for it; any number of
     rows works). gradients: whether inputs need gradients through the layers (training); then
     only frozen layers are packed (weights and bias without ``requires_grad``), each with its
-    transpose for the backward, and the others keep torch's path.
+    transpose for the backward, and the others keep torch's path. small_rows: without
+    gradients, the kernel that computes forwards of at most ``MOST_ROWS`` rows (None: oneDNN
+    computes them all).
     """
 
-    def __init__(self, model: torch.nn.Module, batch_hint: int = 16, gradients: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch_hint: int = 16,
+        gradients: bool = False,
+        small_rows: SmallRowsKernel | None = None,
+    ):
+        self.small_rows = small_rows
         self.forwards: dict[torch.nn.Linear, Any] = {}
         self.frozen: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused: list[_Fused] = []
@@ -97,7 +113,7 @@ class OneDNNLinears:
                 continue
             bias = None if layer.bias is None else layer.bias.detach()
             if not gradients:
-                self.forwards[layer] = _Inference(_pack(layer.weight, batch_hint), bias)
+                self.forwards[layer] = _Inference(layer.weight, bias, batch_hint, small_rows)
             elif _frozen(layer):
                 self.frozen[layer] = (
                     _pack(layer.weight, batch_hint),
@@ -115,7 +131,7 @@ class OneDNNLinears:
                 members = [by_role[parent, r] for r in roles if (parent, r) in by_role]
                 if len(members) < len(roles):
                     continue
-                group = _Fused(members, batch_hint)
+                group = _Fused(members, batch_hint, self.small_rows)
                 self.fused.append(group)
                 for i, member in enumerate(members):
                     self.forwards[member] = group.member(i)
@@ -147,12 +163,25 @@ class OneDNNLinears:
 
 
 class _Inference:
-    """A layer's forward without gradients."""
+    """A layer's forward without gradients: oneDNN's packed copy of ``weight`` (out, in), and
+    where ``small_rows`` is given and can take it, the kernel's blocked copy for forwards of at
+    most ``MOST_ROWS`` rows."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
-        self.packed, self.bias = packed, bias
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_hint: int,
+        small_rows: SmallRowsKernel | None,
+    ):
+        self.packed, self.bias = _pack(weight, batch_hint), bias
+        self.small_rows = small_rows if small_rows and small_rows.blockable(weight) else None
+        self.blocked = self.small_rows.block(weight) if self.small_rows else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        few_rows = x.numel() <= MOST_ROWS * x.shape[-1] and x.dtype == torch.float32
+        if few_rows and self.small_rows and self.blocked is not None:
+            return self.small_rows.linear(x, self.blocked, self.bias)
         return _linear(x, self.packed, self.bias)
 
 
@@ -162,12 +191,16 @@ class _Fused:
     on any other input the group computes the whole output first. The last member's call drops
     the output, so nothing is held between one parent's calls and the next's."""
 
-    def __init__(self, layers: list[torch.nn.Linear], batch_hint: int):
+    def __init__(
+        self,
+        layers: list[torch.nn.Linear],
+        batch_hint: int,
+        small_rows: SmallRowsKernel | None,
+    ):
         weight = torch.cat([layer.weight.detach() for layer in layers])
-        self.packed = _pack(weight, batch_hint)
-        self.bias = None
+        bias = None
         if any(layer.bias is not None for layer in layers):
-            self.bias = torch.cat(
+            bias = torch.cat(
                 [
                     layer.bias.detach()
                     if layer.bias is not None
@@ -175,6 +208,7 @@ class _Fused:
                     for layer in layers
                 ]
             )
+        self.linear = _Inference(weight, bias, batch_hint, small_rows)
         ends = torch.tensor([len(layer.weight) for layer in layers]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         self._input: torch.Tensor | None = None
@@ -186,7 +220,7 @@ class _Fused:
 
     def _slice(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if x is not self._input or self._output is None:
-            self._input, self._output = x, _linear(x, self.packed, self.bias)
+            self._input, self._output = x, self.linear(x)
         start, stop = self.bounds[index]
         out = self._output[..., start:stop]
         if index == len(self.bounds) - 1:

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import NO_MASK, SlotKV, attending_through_slots
 from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
+from treegrpo_ray.kernels import small_rows_linear
 from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
@@ -176,10 +177,12 @@ class HFEngine:
     that would take them past it waits for rows to finish, unless it would run alone;
     onednn_linears: on CPU, compute the linear layers through oneDNN with prepacked weights
     (``treegrpo_ray.onednn_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of
-    the weights); max_model_len: the longest sequence (prefix + generated) a row may reach, it
-    finishes there with "context" (None: the model's ``max_position_embeddings``); it bounds
-    each KV slot; memory_pressed: says when the node nears the memory at which Ray kills
-    workers (None: never asked): then no request joins while rows run, one at a time when none
+    the weights); small_rows_kernel: with onednn_linears, forwards of at most 32 rows compute
+    them through ``treegrpo_ray.kernels.small_rows_linear`` on CPUs where it pays off and
+    builds (a third copy of the weights); max_model_len: the longest sequence (prefix +
+    generated) a row may reach, it finishes there with "context" (None: the model's
+    ``max_position_embeddings``); it bounds each KV slot; memory_pressed: says when the node
+    nears the memory at which Ray kills workers (None: never asked): then no request joins while rows run, one at a time when none
     does, and the KV slots shrink to the running rows (``memory_throttles`` counts those steps).
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
@@ -198,6 +201,7 @@ class HFEngine:
         max_num_seqs: int = 64,
         max_kv_bytes: int | None = None,
         onednn_linears: bool = True,
+        small_rows_kernel: bool = True,
         memory_pressed: Callable[[], bool] | None = near_kill_threshold,
         max_model_len: int | None = None,
     ):
@@ -214,6 +218,8 @@ class HFEngine:
         self.version = 0
         self.cache = PrefixCache(cache_bytes)
         self.packs_linears = onednn_linears and onednn_available(self.device)
+        wanted = self.packs_linears and small_rows_kernel and small_rows_linear.pays_off()
+        self.small_rows = small_rows_linear.load_kernel() if wanted else None
         self.linears = self._pack()
         config = model.config
         head_dim = getattr(config, "head_dim", None) or (
@@ -268,7 +274,9 @@ class HFEngine:
 
     def _pack(self) -> OneDNNLinears | None:
         """The model's linear weights as they are now, packed (None: the model's own path)."""
-        return OneDNNLinears(self.model) if self.packs_linears else None
+        if not self.packs_linears:
+            return None
+        return OneDNNLinears(self.model, small_rows=self.small_rows)
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the requests in flight keep their own KV)."""

@@ -397,6 +397,14 @@ class EngineConfig(_Section):
         "update (~2x torch's default MKL path on AMD CPUs, measured in README; holds a second "
         "copy of the linear weights). False: torch's own path.",
     )
+    small_rows_kernel: bool = Field(
+        True,
+        description="hf on a CPU with AVX2 and no AVX-512, with onednn_linears: forwards of at "
+        "most 32 rows (decode steps) compute the linear layers through the project's own kernel, "
+        "which streams the weights at ~1.6x oneDNN's rate there (README, 'Linears at a few "
+        "rows'); compiled at first use with the C compiler (cc or $CC; without one, oneDNN "
+        "computes them). Holds a third copy of the float32 linear weights.",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     def kv_budget(self, workers_on_node: int = 1) -> int:
