@@ -76,6 +76,7 @@ def make_engine(
         max_kv_bytes=engine.kv_budget(workers_on_node),
         onednn_linears=engine.onednn_linears,
         small_rows_kernel=engine.small_rows_kernel,
+        decode_attention_kernel=engine.decode_attention_kernel,
         max_model_len=engine.max_model_len,
     )
 

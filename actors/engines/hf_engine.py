@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import NO_MASK, SlotKV, attending_through_slots
 from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
-from treegrpo_ray.kernels import small_rows_linear
+from treegrpo_ray.kernels import decode_attention, small_rows_linear
 from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
@@ -179,10 +179,12 @@ class HFEngine:
     (``treegrpo_ray.onednn_linear``: ~2x torch's MKL path on AMD CPUs, for a second copy of
     the weights); small_rows_kernel: with onednn_linears, forwards of at most 32 rows compute
     them through ``treegrpo_ray.kernels.small_rows_linear`` on CPUs where it pays off and
-    builds (a third copy of the weights); max_model_len: the longest sequence (prefix +
-    generated) a row may reach, it finishes there with "context" (None: the model's
-    ``max_position_embeddings``); it bounds each KV slot; memory_pressed: says when the node
-    nears the memory at which Ray kills workers (None: never asked): then no request joins while rows run, one at a time when none
+    builds (a third copy of the weights); decode_attention_kernel: on CPU, the decoding rows
+    attend through ``treegrpo_ray.kernels.decode_attention`` where it builds; max_model_len:
+    the longest sequence (prefix + generated) a row may reach, it finishes there with
+    "context" (None: the model's ``max_position_embeddings``); it bounds each KV slot;
+    memory_pressed: says when the node nears the memory at which Ray kills workers (None:
+    never asked): then no request joins while rows run, one at a time when none
     does, and the KV slots shrink to the running rows (``memory_throttles`` counts those steps).
 
     ``generate`` runs a list of requests to completion. ``submit`` and ``step`` let a caller feed
@@ -202,6 +204,7 @@ class HFEngine:
         max_kv_bytes: int | None = None,
         onednn_linears: bool = True,
         small_rows_kernel: bool = True,
+        decode_attention_kernel: bool = True,
         memory_pressed: Callable[[], bool] | None = near_kill_threshold,
         max_model_len: int | None = None,
     ):
@@ -232,6 +235,7 @@ class HFEngine:
             model.dtype,
             self.device,
             max_capacity=self.max_positions,
+            decode_kernel=decode_attention.load_kernel() if decode_attention_kernel else None,
         )
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from treegrpo_ray.kernels.decode_attention import DecodeAttentionKernel
+
 SLOT_ATTENTION = "treegrpo_slots"
 # the model's attention mask: transformers hands a 4D one on as it is, and slot_attention reads
 # the plan's masks instead
@@ -55,14 +57,17 @@ class Joining:
 @dataclass(frozen=True)
 class SlotPlan:
     """Where a packed forward's tokens are: the first ``decoding`` are one token each of the
-    rows in slots ``0..decoding-1``, which attend as one batch over the first ``decode_width``
-    columns with ``decode_mask`` ``(decoding, 1, 1, decode_width)`` (additive); the rest are
-    the tokens of the ``joining`` rows."""
+    rows in slots ``0..decoding-1``; the rest are the tokens of the ``joining`` rows. The
+    decoding rows attend through ``decode_kernel`` (the row in slot r over its first
+    ``decode_counts[r]`` columns), or without it as one batch over the first ``decode_width``
+    columns with ``decode_mask`` ``(decoding, 1, 1, decode_width)`` (additive)."""
 
     decoding: int
     decode_width: int
     decode_mask: torch.Tensor | None
     joining: tuple[Joining, ...]
+    decode_counts: torch.Tensor | None = None
+    decode_kernel: DecodeAttentionKernel | None = None
 
 
 def slot_attention(
@@ -87,7 +92,8 @@ def slot_attention(
     The G query heads of a KV head attend as G queries of one head, so each KV head is read once
     per row (``enable_gqa`` has the kernel read it once per query head). On CPU, 16 decode rows
     of ~250 tokens, SmolLM2's heads: 22.9 ms over 30 layers, against 26.6 ms with ``enable_gqa``
-    and the boolean mask (issue 27)."""
+    and the boolean mask (issue 27). Where the plan has a ``decode_kernel``, the decoding rows
+    attend through it instead, each over its own columns only (not the longest row's, masked)."""
     assert slot_plan is not None, "slot_attention reads the forward's SlotPlan (SlotKV.begin)"
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     group = heads // kv_heads
@@ -95,13 +101,19 @@ def slot_attention(
     if slot_plan.decoding:
         rows, width = slot_plan.decoding, slot_plan.decode_width
         grouped = query[0, :, :rows].transpose(0, 1).reshape(rows, kv_heads, group, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            grouped,
-            key[:rows, :, :width],
-            value[:rows, :, :width],
-            attn_mask=slot_plan.decode_mask,
-            scale=scaling,
-        )
+        if slot_plan.decode_kernel is not None and slot_plan.decode_counts is not None:
+            scale = dim**-0.5 if scaling is None else scaling
+            out = slot_plan.decode_kernel.attend(
+                grouped, key, value, slot_plan.decode_counts, scale
+            )
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                grouped,
+                key[:rows, :, :width],
+                value[:rows, :, :width],
+                attn_mask=slot_plan.decode_mask,
+                scale=scaling,
+            )
         outputs.append(out.reshape(rows, heads, dim))
     for row in slot_plan.joining:
         count = row.count
@@ -143,7 +155,8 @@ class SlotKV:
     Before each forward the engine calls ``begin(starts, counts, decoding)``: the row in slot r
     feeds ``counts[r]`` new tokens at columns ``starts[r]..``, packed in slot order, the first
     ``decoding`` rows one token each. ``update`` then writes them and returns a layer's buffers,
-    which ``slot_attention`` reads through the plan ``begin`` returned.
+    which ``slot_attention`` reads through the plan ``begin`` returned. decode_kernel: the
+    decoding rows attend through it where it takes the buffers (None: torch's attention).
     """
 
     def __init__(
@@ -154,8 +167,12 @@ class SlotKV:
         dtype: torch.dtype,
         device: torch.device,
         max_capacity: int = 2**62,
+        decode_kernel: DecodeAttentionKernel | None = None,
     ):
         self.shape = (0, kv_heads, 0, head_dim)
+        if decode_kernel is not None and not decode_kernel.takes(dtype, device, head_dim):
+            decode_kernel = None
+        self.decode_kernel = decode_kernel
         self.max_capacity = max_capacity  # no slot grows past it (the engine's positions)
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = [self._empty() for _ in range(layers)]
@@ -239,8 +256,10 @@ class SlotKV:
         """The ``SlotPlan`` of ``begin``'s rows, with their masks on the device."""
         lengths = starts[:decoding]
         width = int(lengths.max()) + 1 if decoding else 0
-        decode_mask = None
-        if decoding:
+        decode_mask = decode_counts = None
+        if decoding and self.decode_kernel is not None:
+            decode_counts = lengths + 1
+        elif decoding:
             hidden = torch.arange(width) > lengths[:, None]  # (decoding, width)
             decode_mask = self._additive(hidden)[:, None, None]
         joining, at = [], decoding
@@ -250,7 +269,9 @@ class SlotKV:
             mask = self._additive(hidden)[None, None]
             joining.append(Joining(slot, at, count, start + count, mask))
             at += count
-        return SlotPlan(decoding, width, decode_mask, tuple(joining))
+        return SlotPlan(
+            decoding, width, decode_mask, tuple(joining), decode_counts, self.decode_kernel
+        )
 
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """-inf where ``hidden``, 0 elsewhere, in the buffers' dtype, on their device."""

@@ -405,6 +405,13 @@ class EngineConfig(_Section):
         "rows'); compiled at first use with the C compiler (cc or $CC; without one, oneDNN "
         "computes them). Holds a third copy of the float32 linear weights.",
     )
+    decode_attention_kernel: bool = Field(
+        True,
+        description="hf on a CPU with AVX2: the decoding rows attend through the project's own "
+        "kernel, each row over its own KV columns only (torch's attention reads every row up "
+        "to the longest, masked; README, 'Decode attention over the slots'); compiled at first "
+        "use with the C compiler (without one, torch's attention). float32 KV only.",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     def kv_budget(self, workers_on_node: int = 1) -> int:
