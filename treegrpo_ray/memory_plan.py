@@ -2,10 +2,9 @@
 
 Per rollout worker with the embedded engine: the process runtime, the weights, their
 oneDNN-packed copies (``engine.onednn_linears``) and blocked ones (``engine.small_rows_kernel``),
-the prefix cache's budget
-(``engine.cache_bytes``), the running rows' KV bound (``engine.max_kv_bytes``, or
-``engine.max_num_seqs`` x ``engine.max_model_len``) and the freed memory glibc keeps as the cache
-churns. Per learner rank: the runtime, the weights, the trained parameters with
+the prefix cache's budget (``engine.cache_bytes``), the running rows' KV bound
+(``engine.max_kv_bytes``, or ``engine.max_num_seqs`` x ``engine.max_model_len``) and the freed
+memory glibc keeps as the cache churns. Per learner rank: the runtime, the weights, the trained parameters with
 their gradients and Adam state, the reference copy (full fine-tuning; LoRA disables the adapter
 instead), the packed frozen layers, and the activations one packed row of
 ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in full: the plan is what a

@@ -16,8 +16,9 @@ Qwen2 call them one after another on the same tensor) are packed as one matrix, 
 by the first call and handed out in slices (``_Fused``): 4 calls a decoder layer instead of 7.
 
 For inference, a forward of at most ``MOST_ROWS`` rows (a decode step) can go through
-``treegrpo_ray.kernels.small_rows_linear`` instead, from a third copy of each weight in that kernel's
-blocks: on AVX2 CPUs oneDNN streams the weights at about half the memory's rate at those rows.
+``treegrpo_ray.kernels.small_rows_linear`` instead, from a third copy of each weight in that
+kernel's blocks: on AVX2-only CPUs oneDNN streams the weights at about half the memory's rate
+at those rows.
 
 The packed weights are copies (the model keeps its own, for state dicts and adapters): one per
 layer for inference (two with the small-rows kernel), two with gradients. Pack again after the

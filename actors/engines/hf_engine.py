@@ -235,7 +235,7 @@ class HFEngine:
             model.dtype,
             self.device,
             max_capacity=self.max_positions,
-            decode_kernel=decode_attention.load_kernel() if decode_attention_kernel else None,
+            decode_kernel=self._decode_kernel(decode_attention_kernel),
         )
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i
@@ -275,6 +275,10 @@ class HFEngine:
         if isinstance(self.model, PeftModel):
             self.model.unmerge_adapter()
             self.model = self.model.unload()
+
+    def _decode_kernel(self, wanted: bool) -> decode_attention.DecodeAttentionKernel | None:
+        """The decode attention kernel, where it is wanted and the engine runs on the CPU."""
+        return decode_attention.load_kernel() if wanted and self.device.type == "cpu" else None
 
     def _pack(self) -> OneDNNLinears | None:
         """The model's linear weights as they are now, packed (None: the model's own path)."""
