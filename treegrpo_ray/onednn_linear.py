@@ -100,6 +100,7 @@ class OneDNNLinears:
         self.forwards: dict[torch.nn.Linear, Any] = {}
         self.frozen: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused: list[_Fused] = []
+        self.groups: dict[tuple[torch.nn.Linear, ...], _Fused] = {}
         self.callers: dict[torch.nn.Linear, torch.nn.Module] = {}
         layers = {
             name: layer
@@ -134,8 +135,19 @@ class OneDNNLinears:
                     continue
                 group = _Fused(members, batch_hint, self.small_rows)
                 self.fused.append(group)
+                self.groups[tuple(members)] = group
                 for i, member in enumerate(members):
                     self.forwards[member] = group.member(i)
+
+    def computing(self, *layers: torch.nn.Linear) -> _Inference | None:
+        """Without gradients, the forward that computes ``layers`` at once, their outputs side by
+        side in this order: one packed layer's, or a packed sibling group's (``FUSED_ROLES``);
+        None where they are not packed so. x (..., in) -> (..., sum of outs)."""
+        if len(layers) > 1:
+            group = self.groups.get(layers)
+            return None if group is None else group.linear
+        forward = self.forwards.get(layers[0])
+        return forward if isinstance(forward, _Inference) else None
 
     @staticmethod
     def active_if(linears: OneDNNLinears | None) -> contextlib.AbstractContextManager[None]:

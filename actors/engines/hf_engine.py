@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from treegrpo_ray.actors.engines.lean_decode import LeanDecoder
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import NO_MASK, SlotKV, attending_through_slots
 from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
-from treegrpo_ray.kernels import decode_attention, small_rows_linear
+from treegrpo_ray.kernels import decode_attention, decoder_ops, small_rows_linear
 from treegrpo_ray.memory_plan import near_kill_threshold
 from treegrpo_ray.onednn_linear import OneDNNLinears, onednn_available
 
@@ -180,7 +181,10 @@ class HFEngine:
     the weights); small_rows_kernel: with onednn_linears, forwards of at most 32 rows compute
     them through ``treegrpo_ray.kernels.small_rows_linear`` on CPUs where it pays off and
     builds (a third copy of the weights); decode_attention_kernel: on CPU, the decoding rows
-    attend through ``treegrpo_ray.kernels.decode_attention`` where it builds; max_model_len:
+    attend through ``treegrpo_ray.kernels.decode_attention`` where it builds; lean_decode: on
+    CPU, decode steps of Llama / Qwen2 models run ``lean_decode.LeanDecoder`` instead of the
+    model's forward where it can (the packed linears, the attention kernel and
+    ``treegrpo_ray.kernels.decoder_ops`` built); max_model_len:
     the longest sequence (prefix + generated) a row may reach, it finishes there with
     "context" (None: the model's ``max_position_embeddings``); it bounds each KV slot;
     memory_pressed: says when the node nears the memory at which Ray kills workers (None:
@@ -205,6 +209,7 @@ class HFEngine:
         onednn_linears: bool = True,
         small_rows_kernel: bool = True,
         decode_attention_kernel: bool = True,
+        lean_decode: bool = True,
         memory_pressed: Callable[[], bool] | None = near_kill_threshold,
         max_model_len: int | None = None,
     ):
@@ -237,6 +242,8 @@ class HFEngine:
             max_capacity=self.max_positions,
             decode_kernel=self._decode_kernel(decode_attention_kernel),
         )
+        self.lean_decode = lean_decode and self.device.type == "cpu"
+        self.lean = self._lean()
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i
         self.trace: list[ForwardTrace] | None = None  # a list: every forward is recorded there
@@ -252,6 +259,7 @@ class HFEngine:
             self._drop_adapter()
             self.model.load_state_dict(payload)
         self.linears = self._pack()
+        self.lean = self._lean()
         self.version = version
         self.cache.reset(version)
 
@@ -285,6 +293,12 @@ class HFEngine:
         if not self.packs_linears:
             return None
         return OneDNNLinears(self.model, small_rows=self.small_rows)
+
+    def _lean(self) -> LeanDecoder | None:
+        """The lean decode step of the model as it is now (None: the model's forward)."""
+        if not self.lean_decode:
+            return None
+        return LeanDecoder.build(self.model, self.linears, self.kv, decoder_ops.load_kernel())
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the requests in flight keep their own KV)."""
@@ -481,13 +495,29 @@ class HFEngine:
         logits (k, V) of each row's last token, float32 on the CPU."""
         start = time.perf_counter()
         counts = torch.tensor([len(ids) for ids in fed])
+        input_ids = torch.tensor([token for ids in fed for token in ids])
+        if self.lean is not None and decoding == len(fed):
+            logits = self.lean.forward(input_ids, starts)
+        else:
+            logits = self._model_forward(decoding, input_ids, counts, starts)
+        if self.trace is not None:
+            kind = "decode" if decoding == len(fed) else "mixed" if decoding else "prefill"
+            context = int((starts + counts).sum())
+            seconds = time.perf_counter() - start
+            self.trace.append(ForwardTrace(kind, len(fed), int(counts.sum()), context, seconds))
+        return logits
+
+    def _model_forward(
+        self, decoding: int, input_ids: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor
+    ) -> torch.Tensor:
+        """``_forward`` through the model's own forward: input_ids (T,) packed, counts (k,) the
+        tokens of each row."""
         position_ids, plan = self.kv.begin(starts, counts, decoding)
-        input_ids = torch.tensor([token for ids in fed for token in ids])[None]
         last = torch.cumsum(counts, 0) - 1
         linears = OneDNNLinears.active_if(self.linears)
         with attending_through_slots(self.model.config), linears:
             out = self.model(
-                input_ids=input_ids.to(self.device),
+                input_ids=input_ids[None].to(self.device),
                 attention_mask=NO_MASK.to(self.device),
                 position_ids=position_ids,
                 past_key_values=self.kv,
@@ -495,10 +525,4 @@ class HFEngine:
                 logits_to_keep=last.to(self.device),  # the LM head only where a token is drawn
                 slot_plan=plan,
             )
-        logits = out.logits[0].float().cpu()
-        if self.trace is not None:
-            kind = "decode" if decoding == len(fed) else "mixed" if decoding else "prefill"
-            context = int((starts + counts).sum())
-            seconds = time.perf_counter() - start
-            self.trace.append(ForwardTrace(kind, len(fed), int(counts.sum()), context, seconds))
-        return logits
+        return out.logits[0].float().cpu()

@@ -412,6 +412,14 @@ class EngineConfig(_Section):
         "to the longest, masked; README, 'Decode attention over the slots'); compiled at first "
         "use with the C compiler (without one, torch's attention). float32 KV only.",
     )
+    lean_decode: bool = Field(
+        True,
+        description="hf on a CPU with AVX2, Llama / Qwen2 models in float32: decode steps run "
+        "the engine's own lean forward (the packed linears, the decode attention kernel and a "
+        "kernel for the norms, the rotary embedding and SiLU) instead of transformers' forward, "
+        "whose ~40 small operations a layer cost as much as its weights at a few rows (README, "
+        "'A lean decode step'). Needs onednn_linears and decode_attention_kernel.",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     def kv_budget(self, workers_on_node: int = 1) -> int:

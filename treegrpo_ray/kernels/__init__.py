@@ -1,8 +1,8 @@
 """C kernels for the CPU paths torch's own kernels leave slow, compiled at first use.
 
-Each kernel ships as a C source beside this file and is built with the machine's C compiler
-(``cc`` or ``$CC``, flags ``FLAGS``: AVX2, FMA, OpenMP) into ``~/.cache/treegrpo/kernels``, once
-per source and flags (a fraction of a second), then loaded with ``ctypes``. Its OpenMP loops run
+Each kernel ships as a C source beside this file (with the shared headers, ``*.h``) and is built
+with the machine's C compiler (``cc`` or ``$CC``, flags ``FLAGS``: AVX2, FMA, OpenMP) into
+``~/.cache/treegrpo/kernels``, once per source and flags (a fraction of a second), then loaded with ``ctypes``. Its OpenMP loops run
 on torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch) with torch's
 thread count, passed at each call. ``load_library`` returns None and says why where a kernel
 cannot run (no AVX2, no compiler, a failed build); its callers then keep torch's path.
@@ -49,16 +49,22 @@ def load_library(name: str) -> ctypes.CDLL | None:
 
 
 def _build(name: str, compiler: str) -> Path:
-    """The shared library of the shipped source ``name.c``, built unless a build is cached."""
-    text = (resources.files(__package__) / f"{name}.c").read_bytes()
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    library = KERNEL_DIR / f"{name}-{digest}.so"
+    """The shared library of the shipped source ``name.c`` (with the headers beside it), built
+    unless a build is cached."""
+    package = resources.files(__package__)
+    sources = {f"{name}.c": (package / f"{name}.c").read_bytes()}
+    sources |= {h.name: h.read_bytes() for h in package.iterdir() if h.name.endswith(".h")}
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for file_name in sorted(sources):  # the headers a source may include are part of its build
+        digest.update(file_name.encode() + sources[file_name])
+    library = KERNEL_DIR / f"{name}-{digest.hexdigest()[:16]}.so"
     if library.exists():
         return library
     KERNEL_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=KERNEL_DIR) as scratch:
         source, built = Path(scratch) / f"{name}.c", Path(scratch) / f"{name}.so"
-        source.write_bytes(text)
+        for file_name, text in sources.items():
+            (Path(scratch) / file_name).write_bytes(text)
         subprocess.run(
             [compiler, *FLAGS, str(source), "-o", str(built)],
             check=True,

@@ -12,35 +12,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vector_math.h"
+
 /* The sums of a, b, c, d's lanes, as one 4-lane vector. */
 static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-static inline float sum8(__m256 a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-/* e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n). */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i exponent = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
 /* scores[t] = scale * q . k_t for t < n. */
@@ -73,7 +50,7 @@ static float softmax_numerators(float *scores, int64_t n) {
     __m256 total = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), shift));
         _mm256_storeu_ps(scores + t, e);
         total = _mm256_add_ps(total, e);
     }
