@@ -77,7 +77,7 @@ def make_engine(
         onednn_linears=engine.onednn_linears,
         small_rows_kernel=engine.small_rows_kernel,
         decode_attention_kernel=engine.decode_attention_kernel,
-        lean_decode=engine.lean_decode,
+        lean_forward=engine.lean_forward,
         max_model_len=engine.max_model_len,
     )
 

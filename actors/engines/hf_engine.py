@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from treegrpo_ray.actors.engines.lean_decode import LeanDecoder
+from treegrpo_ray.actors.engines.lean_forward import LeanForward
 from treegrpo_ray.actors.engines.prefix_cache import PrefixCache
 from treegrpo_ray.actors.engines.slot_kv import NO_MASK, SlotKV, attending_through_slots
 from treegrpo_ray.engine import EngineCounters, GenerationRequest, GenerationResult, LoraPayload
@@ -181,9 +181,9 @@ class HFEngine:
     the weights); small_rows_kernel: with onednn_linears, forwards of at most 32 rows compute
     them through ``treegrpo_ray.kernels.small_rows_linear`` on CPUs where it pays off and
     builds (a third copy of the weights); decode_attention_kernel: on CPU, the decoding rows
-    attend through ``treegrpo_ray.kernels.decode_attention`` where it builds; lean_decode: on
-    CPU, decode steps of Llama / Qwen2 models run ``lean_decode.LeanDecoder`` instead of the
-    model's forward where it can (the packed linears, the attention kernel and
+    attend through ``treegrpo_ray.kernels.decode_attention`` where it builds; lean_forward: on
+    CPU, the forwards of Llama / Qwen2 models run ``lean_forward.LeanForward`` instead of the
+    model's own where it can (the packed linears, the attention kernel and
     ``treegrpo_ray.kernels.decoder_ops`` built); max_model_len:
     the longest sequence (prefix + generated) a row may reach, it finishes there with
     "context" (None: the model's ``max_position_embeddings``); it bounds each KV slot;
@@ -209,7 +209,7 @@ class HFEngine:
         onednn_linears: bool = True,
         small_rows_kernel: bool = True,
         decode_attention_kernel: bool = True,
-        lean_decode: bool = True,
+        lean_forward: bool = True,
         memory_pressed: Callable[[], bool] | None = near_kill_threshold,
         max_model_len: int | None = None,
     ):
@@ -242,7 +242,7 @@ class HFEngine:
             max_capacity=self.max_positions,
             decode_kernel=self._decode_kernel(decode_attention_kernel),
         )
-        self.lean_decode = lean_decode and self.device.type == "cpu"
+        self.lean_forward = lean_forward and self.device.type == "cpu"
         self.lean = self._lean()
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []  # row i's KV is in slot i
@@ -294,11 +294,11 @@ class HFEngine:
             return None
         return OneDNNLinears(self.model, small_rows=self.small_rows)
 
-    def _lean(self) -> LeanDecoder | None:
-        """The lean decode step of the model as it is now (None: the model's forward)."""
-        if not self.lean_decode:
+    def _lean(self) -> LeanForward | None:
+        """The lean forward of the model as it is now (None: the model's own forward)."""
+        if not self.lean_forward:
             return None
-        return LeanDecoder.build(self.model, self.linears, self.kv, decoder_ops.load_kernel())
+        return LeanForward.build(self.model, self.linears, self.kv, decoder_ops.load_kernel())
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the requests in flight keep their own KV)."""
@@ -496,8 +496,8 @@ class HFEngine:
         start = time.perf_counter()
         counts = torch.tensor([len(ids) for ids in fed])
         input_ids = torch.tensor([token for ids in fed for token in ids])
-        if self.lean is not None and decoding == len(fed):
-            logits = self.lean.forward(input_ids, starts)
+        if self.lean is not None:  # counts None: a decode step, one token a row
+            logits = self.lean.forward(input_ids, starts, None if decoding == len(fed) else counts)
         else:
             logits = self._model_forward(decoding, input_ids, counts, starts)
         if self.trace is not None:

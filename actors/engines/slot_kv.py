@@ -132,6 +132,16 @@ def slot_attention(
     return torch.cat(outputs)[None], None
 
 
+def token_places(starts: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed token's slot and column (= position): the row in slot r feeds ``counts[r]``
+    tokens at columns ``starts[r]..``, packed in slot order. starts, counts: (k,) int64.
+    Returns (T,) and (T,), T = counts.sum()."""
+    slots = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    row_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    positions = torch.repeat_interleave(starts, counts) + torch.arange(len(slots)) - row_start
+    return slots, positions
+
+
 @contextlib.contextmanager
 def attending_through_slots(config: Any) -> Iterator[None]:
     """Within the block, the model of ``config`` attends with ``slot_attention``; outside, as
@@ -244,9 +254,7 @@ class SlotKV:
         starts, counts: (k,) long, for the rows in slots 0..k-1: the row in slot r feeds
         ``counts[r]`` tokens at positions (= columns) ``starts[r]..``, each seeing the columns up to
         its own; the first ``decoding`` rows feed one token each. T = counts.sum()."""
-        slots = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (T,) each token's
-        row_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        positions = torch.repeat_interleave(starts, counts) + torch.arange(len(slots)) - row_start
+        slots, positions = token_places(starts, counts)
         _, heads, capacity, _ = self.shape
         rows = slots[None, :] * heads + torch.arange(heads)[:, None]  # (Hkv, T), as update's
         self._index = (rows * capacity + positions).flatten().to(self.device)

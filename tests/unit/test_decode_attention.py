@@ -75,3 +75,23 @@ def test_with_the_kernel_the_plan_hands_it_each_rows_count_instead_of_a_mask():
         layers=1, kv_heads=1, head_dim=6, dtype=torch.float32, device=cpu, decode_kernel=KERNEL
     )  # a head dim the kernel cannot take
     assert odd.decode_kernel is None
+
+
+def test_query_rows_read_the_slots_they_are_given():
+    # a joining row's prefix: its tokens are query rows of one slot, each over the columns up to
+    # its own (causal), beside a decoding row of another slot
+    generator = torch.Generator().manual_seed(11)
+    kv_heads, group, dim, capacity = 2, 3, 16, 12
+    key = torch.randn(3, kv_heads, capacity, dim, generator=generator)
+    value = torch.randn(3, kv_heads, capacity, dim, generator=generator)
+    query = torch.randn(5, kv_heads, group, dim, generator=generator)
+    slots, counts = torch.tensor([0, 2, 2, 2, 2]), torch.tensor([7, 5, 6, 7, 8])
+    got = KERNEL.attend(query, key, value, counts, 0.25, slots)
+    for row, (slot, count) in enumerate(zip(slots.tolist(), counts.tolist(), strict=True)):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[row : row + 1],
+            key[slot : slot + 1, :, :count],
+            value[slot : slot + 1, :, :count],
+            scale=0.25,
+        )
+        torch.testing.assert_close(got[row], expected[0], atol=2e-6, rtol=2e-5)

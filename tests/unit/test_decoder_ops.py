@@ -22,11 +22,11 @@ def test_the_norm_adds_into_the_residual_then_normalises_by_hand():
     torch.testing.assert_close(out, torch.tensor([[1.0, 2.0, 3.0, 4.0], [2.0, 0.0, 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("hidden", [576, 20])  # 20: an 8-wide tail
-def test_the_norm_equals_llamas_rms_norm(hidden):
+@pytest.mark.parametrize(("rows", "hidden"), [(5, 576), (5, 20), (40, 64)])  # 20: 8-wide tail
+def test_the_norm_equals_llamas_rms_norm(rows, hidden):
     generator = torch.Generator().manual_seed(hidden)
-    residual = torch.randn(5, hidden, generator=generator)
-    added = torch.randn(5, hidden, generator=generator)
+    residual = torch.randn(rows, hidden, generator=generator)
+    added = torch.randn(rows, hidden, generator=generator)
     norm = LlamaRMSNorm(hidden, eps=1e-5)
     norm.weight.data = torch.randn(hidden, generator=generator)
     expected_residual = residual + added
@@ -76,13 +76,29 @@ def test_rotary_store_equals_transformers_rotary_embedding():
     assert torch.equal(values, expected_values)
 
 
-def test_silu_mul_by_hand_and_against_torch():
+def test_rotary_store_writes_each_row_into_the_slot_it_is_given():
+    # three tokens of the row in slot 1 at columns 4..6 (a joining row's prefix), one of slot 0
+    dim, generator = 8, torch.Generator().manual_seed(4)
+    qkv = torch.randn(4, 3 * dim, generator=generator)  # one query head, one KV head
+    cos, sin = torch.ones(4, dim), torch.zeros(4, dim)  # no rotation
+    keys, values = torch.zeros(2, 1, 8, dim), torch.zeros(2, 1, 8, dim)
+    columns, slots = torch.tensor([2, 4, 5, 6]), torch.tensor([0, 1, 1, 1])
+    query = KERNEL.rotary_store(qkv, cos, sin, columns, keys, values, slots)
+    assert torch.equal(query.view(4, dim), qkv[:, :dim])
+    written = keys[slots, 0, columns], values[slots, 0, columns]
+    assert torch.equal(written[0], qkv[:, dim : 2 * dim])
+    assert torch.equal(written[1], qkv[:, 2 * dim :])
+    assert int((keys != 0).sum()) == int((values != 0).sum()) == 4 * dim  # nothing else
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # 40: the rows split between threads
+def test_silu_mul_by_hand_and_against_torch(rows):
     gate_up = torch.tensor([[0.0, 100.0, -100.0, 2.0, 3.0, 1.0]])  # gates 0, 100, -100
     out = KERNEL.silu_mul(gate_up)
     torch.testing.assert_close(out, torch.tensor([[0.0, 300.0, -0.0]]), atol=1e-30, rtol=1e-6)
 
     generator = torch.Generator().manual_seed(5)
-    gate_up = torch.randn(6, 2 * 1540, generator=generator) * 4  # 1540: an 8-wide tail
+    gate_up = torch.randn(rows, 2 * 1540, generator=generator) * 4  # 1540: an 8-wide tail
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(KERNEL.silu_mul(gate_up), expected, atol=1e-6, rtol=1e-5)

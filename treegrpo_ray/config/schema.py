@@ -412,13 +412,13 @@ class EngineConfig(_Section):
         "to the longest, masked; README, 'Decode attention over the slots'); compiled at first "
         "use with the C compiler (without one, torch's attention). float32 KV only.",
     )
-    lean_decode: bool = Field(
+    lean_forward: bool = Field(
         True,
-        description="hf on a CPU with AVX2, Llama / Qwen2 models in float32: decode steps run "
-        "the engine's own lean forward (the packed linears, the decode attention kernel and a "
+        description="hf on a CPU with AVX2, Llama / Qwen2 models in float32: the engine's "
+        "forwards run its own lean path (the packed linears, the slot attention kernel and a "
         "kernel for the norms, the rotary embedding and SiLU) instead of transformers' forward, "
         "whose ~40 small operations a layer cost as much as its weights at a few rows (README, "
-        "'A lean decode step'). Needs onednn_linears and decode_attention_kernel.",
+        "'A lean forward'). Needs onednn_linears and decode_attention_kernel.",
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 

@@ -1,11 +1,13 @@
-/* Decode attention over KV slots: each row's one new token attends its own slot's first
- * counts[row] columns, the G query heads of a KV head together. float32, AVX2 and FMA.
+/* Attention over KV slots: each query row attends its slot's first counts[row] columns, the G
+ * query heads of a KV head together. float32, AVX2 and FMA.
  *
- * q: (rows, kv_heads, G, D); k, v: (slots, kv_heads, capacity, D), row r in slot r;
- * out: (rows, kv_heads, G, D). D a multiple of 8. One task per (row, KV head): its keys and
- * values are read from memory once (the G heads' second reads hit the cache), and a row reads
- * only its own columns, not the longest row's. Scores, then an exact softmax (max subtracted,
- * exp by a polynomial to ~2 ulp), then the values weighted.
+ * q: (rows, kv_heads, G, D); k, v: (slots, kv_heads, capacity, D), row r in slot slots[r] (slots
+ * NULL: slot r); out: (rows, kv_heads, G, D). D a multiple of 8. A decoding row is one query
+ * row; a joining row's prefix is one query row per token, each over the columns up to its own
+ * (causal). One task per (row, KV head): its keys and values are read once for the G heads (the
+ * second reads hit the cache), and a row reads only its own columns, not the longest row's.
+ * Scores, then an exact softmax (max subtracted, exp by a polynomial to ~2 ulp), then the values
+ * weighted.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -91,8 +93,8 @@ static void weigh(const float *weights, const float *v, int64_t n, int64_t D, fl
 }
 
 void decode_attention(const float *q, const float *k, const float *v, const int64_t *counts,
-                      int64_t rows, int64_t kv_heads, int64_t G, int64_t capacity, int64_t D,
-                      float scale, float *out, int threads) {
+                      const int64_t *slots, int64_t rows, int64_t kv_heads, int64_t G,
+                      int64_t capacity, int64_t D, float scale, float *out, int threads) {
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = counts[r] > longest ? counts[r] : longest;
 #pragma omp parallel num_threads(threads)
@@ -100,8 +102,10 @@ void decode_attention(const float *q, const float *k, const float *v, const int6
         float *scores = malloc(sizeof(float) * (size_t)(longest > 0 ? longest : 1));
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < rows * kv_heads; task++) {
-            const int64_t n = counts[task / kv_heads];
-            const float *keys = k + task * capacity * D, *values = v + task * capacity * D;
+            const int64_t row = task / kv_heads, n = counts[row];
+            const int64_t slot = slots ? slots[row] : row;
+            const int64_t at_slot = (slot * kv_heads + task % kv_heads) * capacity * D;
+            const float *keys = k + at_slot, *values = v + at_slot;
             for (int64_t g = 0; g < G; g++) {
                 const int64_t at = (task * G + g) * D;
                 score(q + at, keys, n, D, scale, scores);

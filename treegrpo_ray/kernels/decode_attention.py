@@ -1,10 +1,12 @@
-"""Decode attention over the embedded engine's KV slots, reading each row's own columns once.
+"""Attention over the embedded engine's KV slots, reading each row's own columns once.
 
 torch's CPU attention (the flash kernel behind ``scaled_dot_product_attention``) took ~0.4 ms a
 layer for 3 decode rows of ~350 KV tokens (1 MB of KV: ~2.5 GB/s) and read 7-9 GB/s at 26 rows,
 and a batch's rows all attend up to the longest row's length, masked (README, "Decode attention
 over the slots"). ``decode_attention.c`` takes one task per (row, KV head): that row's columns
-only, its G query heads together, an exact softmax. Built at first use
+only, its G query heads together, an exact softmax. The engine's lean forward also hands it the
+tokens of rows that join, one query row each over its slot's columns up to its own (``slots``).
+Built at first use
 (``treegrpo_ray.kernels``); where it cannot be, ``load_kernel`` returns None and the engine keeps
 torch's attention.
 """
@@ -29,6 +31,7 @@ class DecodeAttentionKernel:
             ctypes.c_void_p,  # k
             ctypes.c_void_p,  # v
             ctypes.c_void_p,  # counts
+            ctypes.c_void_p,  # slots or NULL
             ctypes.c_int64,  # rows
             ctypes.c_int64,  # kv heads
             ctypes.c_int64,  # query heads per KV head
@@ -53,12 +56,14 @@ class DecodeAttentionKernel:
         value: torch.Tensor,
         counts: torch.Tensor,
         scale: float,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Row r's query heads attend the first ``counts[r]`` columns of slot r.
+        """Query row r's heads attend the first ``counts[r]`` columns of slot ``slots[r]``.
 
         query: (rows, Hkv, G, D), the G query heads of each KV head; key, value: a layer's slot
-        buffers (slots >= rows, Hkv, capacity, D), contiguous, as ``takes``; counts: (rows,) int64 on the CPU,
-        each at least 1. Returns (rows, Hkv, G, D)."""
+        buffers (slots, Hkv, capacity, D), contiguous, as ``takes``; counts: (rows,) int64 on
+        the CPU, each at least 1; slots: (rows,) int64 (None: row r reads slot r). Returns
+        (rows, Hkv, G, D)."""
         rows, kv_heads, group, dim = query.shape
         query = query.contiguous()
         counts = counts.contiguous()
@@ -68,6 +73,7 @@ class DecodeAttentionKernel:
             key.data_ptr(),
             value.data_ptr(),
             counts.data_ptr(),
+            None if slots is None else slots.contiguous().data_ptr(),
             rows,
             kv_heads,
             group,

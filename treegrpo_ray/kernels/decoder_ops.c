@@ -1,7 +1,8 @@
-/* The small operations of a decoder layer's decode step, each one pass over its rows: the
- * residual add with the RMS norm, the rotary embedding with the KV write, SiLU(gate) * up.
- * float32, AVX2 and FMA, one thread (a decode step's rows are a few KB each). Each row is
- * computed alone, so a row's results do not depend on the others.
+/* The small operations of a decoder layer, each one pass over its rows (tokens): the residual
+ * add with the RMS norm, the rotary embedding with the KV write, SiLU(gate) * up. float32, AVX2
+ * and FMA; one thread up to PARALLEL_ROWS rows (a decode step's rows are a few KB each), the
+ * rows split between `threads` above. Each row is computed alone, so a row's results do not
+ * depend on the others.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -9,10 +10,13 @@
 
 #include "vector_math.h"
 
+#define PARALLEL_ROWS 32
+
 /* residual += x (x NULL: nothing added), then out = weight * (residual / rms(residual)),
  * rms = sqrt(mean(residual^2) + eps), as Llama's RMSNorm. residual, x, out: (rows, hidden). */
 void add_rms_norm(float *residual, const float *x, const float *weight, float eps, int64_t rows,
-                  int64_t hidden, float *out) {
+                  int64_t hidden, float *out, int threads) {
+#pragma omp parallel for if (rows > PARALLEL_ROWS) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         float *h = residual + r * hidden, *y = out + r * hidden;
         const float *add = x ? x + r * hidden : 0;
@@ -47,18 +51,21 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t D
 }
 
 /* Row r's projections qkv[r] = (q: heads x D, k: kv_heads x D, v: kv_heads x D): q rotated into
- * query[r] (heads, D); k rotated and v written into slot r of the layer's buffers keys, values
- * (slots, kv_heads, capacity, D) at column columns[r]. cos, sin: (rows, D). */
+ * query[r] (heads, D); k rotated and v written into slot slots[r] (slots NULL: slot r) of the
+ * layer's buffers keys, values (slots, kv_heads, capacity, D) at column columns[r] (no two rows
+ * at the same slot and column). cos, sin: (rows, D). */
 void rotary_store(const float *qkv, const float *cos, const float *sin, const int64_t *columns,
-                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t D, int64_t capacity,
-                  float *query, float *keys, float *values) {
+                  const int64_t *slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t D,
+                  int64_t capacity, float *query, float *keys, float *values, int threads) {
     const int64_t width = (heads + 2 * kv_heads) * D;
+#pragma omp parallel for if (rows > PARALLEL_ROWS) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *q = qkv + r * width, *k = q + heads * D, *v = k + kv_heads * D;
         const float *c = cos + r * D, *s = sin + r * D;
         for (int64_t h = 0; h < heads; h++) rotate(q + h * D, c, s, D, query + (r * heads + h) * D);
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t at = ((r * kv_heads + h) * capacity + columns[r]) * D;
+            const int64_t slot = slots ? slots[r] : r;
+            const int64_t at = ((slot * kv_heads + h) * capacity + columns[r]) * D;
             rotate(k + h * D, c, s, D, keys + at);
             for (int64_t i = 0; i < D; i++) values[at + i] = v[h * D + i];
         }
@@ -67,8 +74,9 @@ void rotary_store(const float *qkv, const float *cos, const float *sin, const in
 
 /* out = silu(gate) * up, silu(g) = g / (1 + e^-g); gate_up: (rows, 2 * width), each row's gate
  * then its up; out: (rows, width). */
-void silu_mul(const float *gate_up, int64_t rows, int64_t width, float *out) {
+void silu_mul(const float *gate_up, int64_t rows, int64_t width, float *out, int threads) {
     const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for if (rows > PARALLEL_ROWS) num_threads(threads)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * width, *up = gate + width;
         float *y = out + r * width;

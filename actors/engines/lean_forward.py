@@ -1,17 +1,18 @@
-"""A decode step of a Llama-family model without the model's own forward.
+"""The engine's forwards of a Llama-family model without the model's own forward.
 
 At a decode step of a few rows, the SmolLM2 preset's forward spent as long in ~1,300 small torch
 operations and transformers' Python (views, copies, norms, the rotary embedding, the cache's
-bookkeeping) as in streaming the weights (README, "A lean decode step"). ``LeanDecoder`` runs
-the same arithmetic from the engine's own pieces: the packed linears (``OneDNNLinears``, q/k/v
-and gate/up as one matrix each), the slot KV buffers (``SlotKV``) with the decode attention
-kernel, and ``decoder_ops`` for the norms, the rotary embedding with the KV write and SiLU.
-Per layer: 4 linears, 2 attention-side calls, 3 small ops.
+bookkeeping) as in streaming the weights (README, "A lean forward"). ``LeanForward`` runs the
+same arithmetic from the engine's own pieces: the packed linears (``OneDNNLinears``, q/k/v and
+gate/up as one matrix each), the slot KV buffers (``SlotKV``) with the slot attention kernel,
+and ``decoder_ops`` for the norms, the rotary embedding with the KV write and SiLU. Per layer:
+4 linears, the attention, 3 small ops.
 
-It serves decode steps only (every row feeds one token); a step where rows join runs the
-model's forward. It takes Llama and Qwen2 models (``LeanDecoder.build`` says why not, and the
-engine keeps the model's forward): the model's rotary embedding module computes cos and sin,
-so its RoPE scaling is the model's.
+A forward's tokens are packed as ``SlotKV.begin`` places them (a decoding row's one token, a
+joining row's uncached prefix): every token is a query row of the attention kernel over its own
+slot's columns up to its own, so decode, mixed and prefill steps are one path. It takes Llama
+and Qwen2 models (``LeanForward.build`` says why not, and the engine keeps the model's forward):
+the model's rotary embedding module computes cos and sin, so its RoPE scaling is the model's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from treegrpo_ray.actors.engines.slot_kv import SlotKV
+from treegrpo_ray.actors.engines.slot_kv import SlotKV, token_places
 from treegrpo_ray.kernels.decode_attention import DecodeAttentionKernel
 from treegrpo_ray.kernels.decoder_ops import DecoderOpsKernel
 from treegrpo_ray.onednn_linear import OneDNNLinears
@@ -36,7 +37,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's weights as the lean step reads them; eps: its norms' epsilon."""
+    """One decoder layer's weights as the lean forward reads them; eps: its norms' epsilon."""
 
     input_norm: torch.Tensor
     qkv: Linear
@@ -53,7 +54,7 @@ def _base(layer: Any) -> torch.nn.Linear:
 
 
 def _refusal(model: Any, linears: OneDNNLinears | None, kv: SlotKV) -> str | None:
-    """Why the lean step cannot run ``model`` (None: it can)."""
+    """Why the lean forward cannot run ``model`` (None: it can)."""
     config = model.config
     if config.model_type not in MODEL_TYPES:
         return f"model type {config.model_type!r} (it takes {', '.join(MODEL_TYPES)})"
@@ -64,14 +65,14 @@ def _refusal(model: Any, linears: OneDNNLinears | None, kv: SlotKV) -> str | Non
     if model.dtype != torch.float32 or model.device.type != "cpu":
         return f"{model.dtype} on {model.device} (it takes float32 on the CPU)"
     if kv.decode_kernel is None:
-        return "no decode attention kernel"
+        return "no slot attention kernel (engine.decode_attention_kernel)"
     if linears is None:
         return "linear layers not packed (engine.onednn_linears)"
     return None
 
 
-class LeanDecoder:
-    """Decode steps of ``model`` over ``kv``'s slots. Build with ``build``; build again after
+class LeanForward:
+    """Packed forwards of ``model`` over ``kv``'s slots. Build with ``build``; build again after
     the weights or the linears change."""
 
     def __init__(
@@ -98,8 +99,8 @@ class LeanDecoder:
         linears: OneDNNLinears | None,
         kv: SlotKV,
         ops: DecoderOpsKernel | None,
-    ) -> LeanDecoder | None:
-        """The lean step of ``model`` (a causal LM, or peft's model of one with its adapter
+    ) -> LeanForward | None:
+        """The lean forward of ``model`` (a causal LM, or peft's model of one with its adapter
         merged), or None, with the reason logged, where it cannot run it."""
         if hasattr(model, "get_base_model"):
             model = model.get_base_model()
@@ -111,30 +112,54 @@ class LeanDecoder:
             if head is not None and all(layers):
                 return cls(model, layers, head, kv, ops, kv.decode_kernel)  # type: ignore[arg-type]
             refusal = "a layer's linears not packed as Llama's"
-        logger.info("the lean decode step is off: %s", refusal)
+        logger.info("the lean forward is off: %s", refusal)
         return None
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One decode step: row r (in slot r) feeds ``token_ids[r]`` at ``positions[r]``, its
-        KV written there, attending its columns ``0..positions[r]``.
+    def forward(
+        self, token_ids: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One packed forward of the rows in slots 0..k-1: the row in slot r feeds ``counts[r]``
+        tokens at columns ``starts[r]..`` (None: one each, a decode step), their KV written
+        there, each token attending its row's columns up to its own.
 
-        token_ids, positions: (rows,) int64 on the CPU. Returns the logits (rows, V)."""
+        token_ids: (T,) int64 packed in slot order, T = counts.sum(); starts, counts: (k,)
+        int64 on the CPU. Returns the logits (k, V) of each row's last token."""
+        if counts is None:  # a decode step: token r is row r's, in slot r
+            positions, slots, last = starts, None, None
+        else:
+            slots, positions = token_places(starts, counts)
+            last = torch.cumsum(counts, 0) - 1
         if int(positions.max()) >= self.kv.capacity:
-            raise RuntimeError(f"a decode position past the KV slots' {self.kv.capacity} columns")
+            raise RuntimeError(f"a position past the KV slots' {self.kv.capacity} columns")
+        residual = torch.nn.functional.embedding(token_ids, self.embedding)  # (T, hidden)
+        cos, sin = (t[0] for t in self.rotary(residual, positions[None]))  # (T, D) each
+        added = self._layers(residual, cos, sin, positions, slots)
+        final = self.ops.add_rms_norm(residual, added, self.norm, self.norm_eps)
+        return self.head(final if last is None else final[last])
+
+    def _layers(
+        self,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decoder layers over the tokens' residual stream (T, hidden), updated in place;
+        returns the last layer's MLP output (T, hidden), which the final norm adds."""
         ops, kv = self.ops, self.kv
-        residual = torch.nn.functional.embedding(token_ids, self.embedding)  # (rows, hidden)
-        cos, sin = (t[0] for t in self.rotary(residual, positions[None]))  # (rows, D) each
-        counts = positions + 1
+        counts = positions + 1  # each token attends its row's columns up to its own
         added = None  # the last layer's MLP output, added to the residual by the next norm
         for index, layer in enumerate(self.layers):
             keys, values = kv.keys[index], kv.values[index]
             x = ops.add_rms_norm(residual, added, layer.input_norm, layer.eps)
-            query = ops.rotary_store(layer.qkv(x), cos, sin, positions, keys, values)
-            attended = self.attention.attend(query, keys, values, counts, self.scale)
+            query = ops.rotary_store(layer.qkv(x), cos, sin, positions, keys, values, slots)
+            attended = self.attention.attend(query, keys, values, counts, self.scale, slots)
             attended = layer.output(attended.view(len(residual), -1))
             x = ops.add_rms_norm(residual, attended, layer.post_norm, layer.eps)
             added = layer.down(ops.silu_mul(layer.gate_up(x)))
-        return self.head(ops.add_rms_norm(residual, added, self.norm, self.norm_eps))
+        assert added is not None, "a model without decoder layers"
+        return added
 
 
 def _layer(block: Any, linears: OneDNNLinears) -> _Layer | None:

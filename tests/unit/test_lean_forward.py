@@ -1,6 +1,6 @@
-"""The engine's lean decode step: the tokens and log-probs of the model's own forward, for
-Llama and Qwen2 models (biases included) and after a LoRA adapter is merged; models it cannot
-run keep the model's forward."""
+"""The engine's lean forward: the tokens and log-probs of the model's own forward, at decode,
+mixed and prefill steps, for Llama and Qwen2 models (biases included) and after a LoRA adapter
+is merged; models it cannot run keep the model's forward."""
 
 import pytest
 import torch
@@ -42,16 +42,17 @@ def _qwen2() -> transformers.Qwen2ForCausalLM:
 
 
 def _requests() -> list[GenerationRequest]:
-    """Prefixes of different lengths, sampled with their own seeds, and one greedy request."""
+    """Prefixes and actions of different lengths (rows finish apart, so others join the running
+    ones), sampled with their own seeds, and one greedy request."""
     sampled = [
-        GenerationRequest(tuple(range(3, 3 + n)), SamplingParams(1.0, 1.0, 10, seed=i))
-        for i, n in enumerate([5, 11, 2, 8])
+        GenerationRequest(tuple(range(3, 3 + n)), SamplingParams(1.0, 1.0, new, seed=i))
+        for i, (n, new) in enumerate([(5, 10), (11, 4), (2, 7), (8, 10)])
     ]
     return sampled + [GenerationRequest((7, 8, 9), SamplingParams(0.0, 1.0, 10))]
 
 
 def _lean_steps(engine: HFEngine) -> list[int]:
-    """Counts the lean decode steps ``engine`` runs from now on (a spy on its forward)."""
+    """Counts the lean forwards ``engine`` runs from now on (a spy on its forward)."""
     assert engine.lean is not None
     calls, forward = [], engine.lean.forward
     engine.lean.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore[method-assign]
@@ -67,18 +68,20 @@ def _assert_same_generations(got, want):
 
 
 @pytest.mark.parametrize("build", [_llama, _qwen2], ids=["llama", "qwen2"])
-def test_lean_decode_steps_give_the_models_own_tokens_and_logprobs(build):
+def test_lean_forwards_give_the_models_own_tokens_and_logprobs(build):
     model = build()
     lean = HFEngine(model, pad_token_id=0, max_num_seqs=3, memory_pressed=None)
-    steps = _lean_steps(lean)
+    steps, lean.trace = _lean_steps(lean), []
     got = lean.generate(_requests())
-    reference = HFEngine(model, 0, max_num_seqs=3, lean_decode=False, memory_pressed=None)
+    reference = HFEngine(model, 0, max_num_seqs=3, lean_forward=False, memory_pressed=None)
     assert reference.lean is None
     _assert_same_generations(got, reference.generate(_requests()))
-    assert len(steps) > 10  # the decode steps between the joins went through it
+    # every forward went through it: the first prefill, rows joining the others, decode steps
+    assert {t.kind for t in lean.trace} == {"prefill", "mixed", "decode"}
+    assert len(steps) == len(lean.trace)
 
 
-def test_lean_decode_follows_a_merged_lora_adapter():
+def test_the_lean_forward_follows_a_merged_lora_adapter():
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -90,7 +93,7 @@ def test_lean_decode_follows_a_merged_lora_adapter():
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     adapter = LoraPayload(get_peft_model_state_dict(peft_model), config.to_dict())
     lean, reference = (
-        HFEngine(_llama(), 0, lean_decode=flag, memory_pressed=None) for flag in (True, False)
+        HFEngine(_llama(), 0, lean_forward=flag, memory_pressed=None) for flag in (True, False)
     )
     before = lean.generate(_requests())
     for engine in (lean, reference):
@@ -101,11 +104,11 @@ def test_lean_decode_follows_a_merged_lora_adapter():
     assert steps and [r.token_ids for r in after] != [r.token_ids for r in before]
 
 
-def test_a_model_the_lean_step_cannot_run_keeps_its_own_forward():
+def test_a_model_the_lean_forward_cannot_run_keeps_its_own_forward():
     model = _qwen2()
     model.config.hidden_act = "gelu"  # its MLP is not SiLU(gate) * up
     for layer in model.model.layers:
         layer.mlp.act_fn = torch.nn.GELU()
     engine = HFEngine(model, pad_token_id=0, memory_pressed=None)
     assert engine.lean is None
-    assert len(engine.generate(_requests())[0].token_ids) == 10
+    assert len(engine.generate(_requests())[0].token_ids) == 10  # its max_new_tokens
