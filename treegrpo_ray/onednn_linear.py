@@ -99,7 +99,6 @@ class OneDNNLinears:
         self.small_rows = small_rows
         self.forwards: dict[torch.nn.Linear, Any] = {}
         self.frozen: dict[torch.nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.fused: list[_Fused] = []
         self.groups: dict[tuple[torch.nn.Linear, ...], _Fused] = {}
         self.callers: dict[torch.nn.Linear, torch.nn.Module] = {}
         layers = {
@@ -134,7 +133,6 @@ class OneDNNLinears:
                 if len(members) < len(roles):
                     continue
                 group = _Fused(members, batch_hint, self.small_rows)
-                self.fused.append(group)
                 self.groups[tuple(members)] = group
                 for i, member in enumerate(members):
                     self.forwards[member] = group.member(i)
@@ -171,7 +169,7 @@ class OneDNNLinears:
             for layer in self.frozen:
                 layer.__class__ = torch.nn.Linear
                 del _FROZEN[_key(layer.weight)]
-            for group in self.fused:
+            for group in self.groups.values():
                 group.forget()
 
 

@@ -26,7 +26,7 @@ def test_packed_layers_compute_the_model_from_their_copy_of_the_weights():
     expected = model(ids).logits
     packed = OneDNNLinears(model, batch_hint=3)
     assert len(packed.forwards) == sum(type(m) is torch.nn.Linear for m in model.modules())
-    assert len(packed.fused) == 2 * model.config.num_hidden_layers  # q, k, v; gate, up
+    assert len(packed.groups) == 2 * model.config.num_hidden_layers  # q, k, v; gate, up
     for layer in packed.forwards:
         if layer is not model.get_output_embeddings():  # tied to the input embedding
             layer.weight.zero_()  # the model's own weights no longer give its function

@@ -60,7 +60,7 @@ def test_packed_layers_take_the_kernel_at_most_32_rows_and_onednn_above():
     expected_few, expected_many = model(few).logits, model(ids).logits
     packed = OneDNNLinears(model, batch_hint=5, small_rows=KERNEL)
     linears = {forward for forward in packed.forwards.values() if hasattr(forward, "packed")}
-    linears |= {group.linear for group in packed.fused}
+    linears |= {group.linear for group in packed.groups.values()}
     assert all(linear.blocked is not None for linear in linears)  # every shape here blocks
     for linear in linears:
         linear.packed = torch.ops.mkldnn._reorder_linear_weight(

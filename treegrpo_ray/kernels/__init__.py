@@ -2,9 +2,9 @@
 
 Each kernel ships as a C source beside this file (with the shared headers, ``*.h``) and is built
 with the machine's C compiler (``cc`` or ``$CC``, flags ``FLAGS``: AVX2, FMA, OpenMP) into
-``~/.cache/treegrpo/kernels``, once per source and flags (a fraction of a second), then loaded with ``ctypes``. Its OpenMP loops run
-on torch's own OpenMP runtime (the same ``libgomp.so.1``, already loaded by torch) with torch's
-thread count, passed at each call. ``load_library`` returns None and says why where a kernel
+``~/.cache/treegrpo/kernels``, once per source, headers and flags (a fraction of a second), then
+loaded with ``ctypes``. Its OpenMP loops run on torch's own OpenMP runtime (the same
+``libgomp.so.1``, already loaded by torch) with torch's thread count, passed at each call. ``load_library`` returns None and says why where a kernel
 cannot run (no AVX2, no compiler, a failed build); its callers then keep torch's path.
 """
 
