@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
 from treegrpo_ray.config import JobConfig, TinyModelConfig, load_config
 from treegrpo_ray.envs.multihop import MultihopTask
@@ -179,6 +180,22 @@ def two_steps(learners: int = 1) -> list[str]:
 def two_step_overrides():
     """``two_step_overrides(learners=1)``: see ``two_steps``."""
     return two_steps
+
+
+def fill_lora_b(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> None:
+    """Every LoRA B matrix of peft ``model`` set to seeded normal values times ``scale``: peft
+    starts B at zero, so an untrained adapter changes neither outputs nor input gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(scale * torch.randn(param.shape, generator=generator))
+
+
+@pytest.fixture(scope="session")
+def nonzero_lora_b():
+    """``nonzero_lora_b(model, scale=0.1, seed=0)``: see ``fill_lora_b``."""
+    return fill_lora_b
 
 
 @pytest.fixture(scope="session")

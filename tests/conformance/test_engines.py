@@ -395,17 +395,15 @@ def test_counters_add_up(make_engine, untrained_policy):
         ]
 
 
-def test_a_lora_adapter_update_equals_loading_the_merged_weights(make_engine, untrained_policy):
+def test_a_lora_adapter_update_equals_loading_the_merged_weights(
+    make_engine, untrained_policy, nonzero_lora_b
+):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     tokenizer = load_tokenizer(untrained_policy)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     peft_model = get_peft_model(load_policy(untrained_policy)[0], config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    nonzero_lora_b(peft_model, scale=0.3)
     adapter = LoraPayload(get_peft_model_state_dict(peft_model), config.to_dict())
     merged = peft_model.merge_and_unload().state_dict()
 

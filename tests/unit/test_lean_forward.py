@@ -81,16 +81,12 @@ def test_lean_forwards_give_the_models_own_tokens_and_logprobs(build):
     assert len(steps) == len(lean.trace)
 
 
-def test_the_lean_forward_follows_a_merged_lora_adapter():
+def test_the_lean_forward_follows_a_merged_lora_adapter(nonzero_lora_b):
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     peft_model = get_peft_model(_llama(), config)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero: the adapter would change nothing
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    nonzero_lora_b(peft_model, scale=0.3, seed=1)
     adapter = LoraPayload(get_peft_model_state_dict(peft_model), config.to_dict())
     lean, reference = (
         HFEngine(_llama(), 0, lean_forward=flag, memory_pressed=None) for flag in (True, False)

@@ -43,13 +43,12 @@ def _adapter_gradients(model, ids):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_a_lora_policy_gets_the_same_adapter_gradients_through_its_packed_frozen_layers():
+def test_a_lora_policy_gets_the_same_adapter_gradients_through_its_packed_frozen_layers(
+    nonzero_lora_b,
+):
     model, ids = _model_and_ids()
     model = with_lora_adapter(model, LoraSettings(enabled=True, rank=4, alpha=8))
-    with torch.no_grad():  # a trained adapter: lora_B starts at zero, so its input grads would
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    nonzero_lora_b(model, seed=1)  # as trained: a zero B would leave its input grads untested
     expected = _adapter_gradients(model, ids)
     packed = OneDNNLinears(model, gradients=True)
     adapters = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.requires_grad]
@@ -63,15 +62,13 @@ def test_a_lora_policy_gets_the_same_adapter_gradients_through_its_packed_frozen
 
 
 @torch.inference_mode()
-def test_a_merged_adapter_skips_its_wrappers_and_an_unmerged_one_keeps_them():
+def test_a_merged_adapter_skips_its_wrappers_and_an_unmerged_one_keeps_them(nonzero_lora_b):
     """Inference through a merged LoRA policy calls the packed layers in place of peft's
     wrappers (their base layers hold the merged weights); an unmerged adapter adds its own
     term, so its wrappers keep their forward. Both give the policy's own logits."""
     model, ids = _model_and_ids()
     model = with_lora_adapter(model, LoraSettings(enabled=True, rank=4, alpha=8))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    nonzero_lora_b(model, seed=1)
     wrappers = [m for m in model.modules() if hasattr(m, "base_layer")]
     for merged in (False, True):
         if merged:

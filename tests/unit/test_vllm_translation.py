@@ -298,17 +298,14 @@ def test_lora_rank_and_identity():
     assert lora_identity(7) == ("policy-v7", 8)
 
 
-def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path):
+def test_written_adapter_loads_back_into_peft_with_the_same_weights(tmp_path, nonzero_lora_b):
     cfg = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                           intermediate_size=64, max_positions=32)  # fmt: skip
     model = get_peft_model(
         build_tiny_model(cfg, vocab_size=20, seed=0),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
-    with torch.no_grad():  # lora_B starts at zero; make the adapter non-trivial
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_()
+    nonzero_lora_b(model, scale=1.0)
     state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     payload = LoraPayload(state, model.peft_config["default"].to_dict())
 
