@@ -18,14 +18,16 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
-import torch
 
 from treegrpo_ray.config import JobConfig, TinyModelConfig, load_config
 from treegrpo_ray.envs.multihop import MultihopTask
 from treegrpo_ray.modeling import build_tiny_model, build_word_tokenizer
+
+if TYPE_CHECKING:  # torch loads after the package, which sets libgomp's environment first
+    import torch
 
 # Enough supervised steps for well-formed actions and some correct answers; far from converged.
 TEST_WARMSTART_STEPS = 150
@@ -185,6 +187,8 @@ def two_step_overrides():
 def fill_lora_b(model: torch.nn.Module, scale: float = 0.1, seed: int = 0) -> None:
     """Every LoRA B matrix of peft ``model`` set to seeded normal values times ``scale``: peft
     starts B at zero, so an untrained adapter changes neither outputs nor input gradients."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
