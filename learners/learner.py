@@ -82,7 +82,7 @@ class Minibatch:
 
     batch: PackedBatch
     routed: RoutedAdvantages
-    ref_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None  # None: no KL term (ppo.uses_reference())
     old_logprobs: torch.Tensor | None  # None: the training forward's own, detached
     stale: torch.Tensor | None  # (R, T) action tokens of older policies to reweight; None: none
 
@@ -142,10 +142,11 @@ class Learner:
             self.model.gradient_checkpointing_enable({"use_reentrant": False})
         self.model.to(self.device)
         self.lora = lora is not None and lora.enabled
+        self.reference = ppo.uses_reference()
         self.ref_model: torch.nn.Module | None = None
         if lora is not None and lora.enabled:
             self.model = with_lora_adapter(self.model, lora)
-        else:
+        elif self.reference:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if ppo.compile_layers:
             compile_decoder_layers(self.model)
@@ -189,9 +190,9 @@ class Learner:
         through packed transposes), or the full policy's reference copy."""
         if not (self.ppo.onednn_linears and onednn_available(self.device)) or self.mixed_precision:
             return None
-        if self.ref_model is not None:
-            return OneDNNLinears(self.ref_model)
-        return OneDNNLinears(self.model, gradients=True)
+        if self.lora:
+            return OneDNNLinears(self.model, gradients=True)
+        return None if self.ref_model is None else OneDNNLinears(self.ref_model)
 
     def _logprobs(
         self, model: torch.nn.Module, batch: PackedBatch, row: int
@@ -276,7 +277,7 @@ class Learner:
             routed = [r.to(self.device) for r in self._route(chunks, batches, advantages)]
             batches = [b.to(self.device) for b in batches]
         with timed(metrics, "ref_logprobs"):
-            ref = [self._reference_logprobs(b) for b in batches]
+            ref = [self._reference_logprobs(b) if self.reference else None for b in batches]
         with timed(metrics, "old_logprobs"):
             old = [self._old_logprobs(b, len(batches)) for b in batches]
         stale = [self._stale_actions(b) for b in batches]
@@ -421,7 +422,7 @@ class Learner:
             loss, row_stats = routed_ppo_loss(
                 logprobs,
                 old,
-                mb.ref_logprobs[r],
+                None if mb.ref_logprobs is None else mb.ref_logprobs[r],
                 entropy,
                 mb.routed.row(r),
                 mb.batch.loss_mask[r],

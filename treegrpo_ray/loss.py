@@ -116,7 +116,7 @@ def ppo_loss(
 def routed_ppo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
     entropy: torch.Tensor,
     routed: RoutedAdvantages,
     loss_mask: torch.Tensor,
@@ -143,6 +143,8 @@ def routed_ppo_loss(
     ``treegrpo_ray.modifiers``), they replace ``coef.kl_coef`` and ``coef.entropy_coef``: the loss
     is ``pg + sum(loss_mask·weights·(kl_coef·KL - entropy_coef·H)) / denominator``. The
     ``learner/kl`` and ``learner/entropy`` statistics stay the plain token-means, undecayed.
+    ``ref_logprobs`` None (every KL coefficient 0, no reference pass): no KL term and no
+    ``learner/kl`` statistic; the loss and its gradients are those of any reference at weight 0.
     """
     pg, clipped = dual_clip_pg_losses(
         logprobs, old_logprobs, routed.advantages, coef.clip_ratio, coef.dual_clip
@@ -153,7 +155,11 @@ def routed_ppo_loss(
 
     pg_tokens = pg.sum(0) if is_weights is None else pg.sum(0) * is_weights
     pg_loss = total(pg_tokens)
-    kl = k3_kl(logprobs, ref_logprobs, coef.kl_clamp)
+    kl = (
+        torch.zeros_like(logprobs)
+        if ref_logprobs is None
+        else k3_kl(logprobs, ref_logprobs, coef.kl_clamp)
+    )
     kl_loss = total(kl * routed.weights)
     entropy_mean = total(entropy * routed.weights)
     if routed.kl_coef is None or routed.entropy_coef is None:
@@ -163,11 +169,12 @@ def routed_ppo_loss(
         loss = pg_loss + total(regularizer * routed.weights)
     stats = {
         "learner/pg_loss": pg_loss.item(),
-        "learner/kl": kl_loss.item(),
         "learner/entropy": entropy_mean.item(),
         "learner/pg_clipfrac": total((clipped * routed.leaves).sum(0)).item(),
         "learner/approx_kl_old": total((old_logprobs - logprobs) * routed.weights).item(),
     }
+    if ref_logprobs is not None:
+        stats["learner/kl"] = kl_loss.item()
     return loss, stats
 
 

@@ -5,7 +5,7 @@ oneDNN-packed copies (``engine.onednn_linears``) and blocked ones (``engine.smal
 the prefix cache's budget (``engine.cache_bytes``), the running rows' KV bound
 (``engine.max_kv_bytes``, or ``engine.max_num_seqs`` x ``engine.max_model_len``) and the freed
 memory glibc keeps as the cache churns. Per learner rank: the runtime, the weights, the trained parameters with
-their gradients and Adam state, the reference copy (full fine-tuning; LoRA disables the adapter
+their gradients and Adam state, the reference copy (full fine-tuning with a KL term; LoRA disables the adapter
 instead), the packed frozen layers, and the activations one packed row of
 ``ppo.micro_batch_tokens`` keeps for the backward. Budgets count in full: the plan is what a
 process may reach under load, not what a light step reaches. Given the trees of a short run of
@@ -250,9 +250,10 @@ def learner_plan(cfg: JobConfig, sizes: ModelSizes, ranks_on_node: int) -> Proce
         Term("weights", weights),
         Term("trained parameters, gradients, Adam state", 4 * trained * 4, "model.lora"),
     ]
-    if not lora:
-        terms.append(Term("reference copy", weights, "model.lora"))
-    if cfg.ppo.onednn_linears and cfg.ppo.precision == "float32":
+    reference = not lora and cfg.ppo.uses_reference()
+    if reference:
+        terms.append(Term("reference copy", weights, "model.lora, ppo.kl_coef"))
+    if cfg.ppo.onednn_linears and cfg.ppo.precision == "float32" and (lora or reference):
         copies = 2 if lora else 1  # LoRA: each frozen layer and its transpose; else the reference
         packed = copies * sizes.linear_params * sizes.param_bytes
         terms.append(Term("oneDNN-packed frozen weights", packed, "ppo.onednn_linears"))
@@ -310,7 +311,7 @@ def gpu_learner_plan(
     cfg: JobConfig, sizes: ModelSizes, action_share: float = ACTION_SHARE
 ) -> ProcessPlan:
     """A learner rank on one GPU, in steady state (Adam's state already allocated while a row
-    runs its backward): weights, reference (full fine-tuning), gradients and Adam's moments of the
+    runs its backward): weights, reference (full fine-tuning with a KL term), gradients and Adam's moments of the
     trained parameters (12 bytes each), and the larger of a row's activations and the optimizer
     step's temporaries (4 bytes per trained parameter, torch's foreach Adam)."""
     ppo, lora = cfg.ppo, cfg.model.lora.enabled
@@ -320,8 +321,8 @@ def gpu_learner_plan(
         Term("weights", weights),
         Term("gradients and Adam state of the trained parameters", 12 * trained, "model.lora"),
     ]
-    if not lora:
-        terms.append(Term("reference copy", weights, "model.lora"))
+    if not lora and ppo.uses_reference():
+        terms.append(Term("reference copy", weights, "model.lora, ppo.kl_coef"))
     tokens = ppo.micro_batch_tokens
     activations = gpu_activation_bytes(
         sizes, tokens, ppo.precision, ppo.activation_checkpointing, action_share

@@ -56,6 +56,8 @@ def test_a_learner_rank_full_and_lora():
     assert terms["activations of a 1000-token row"] == activations
     # the optimizer step's 4 bytes a parameter exceed these activations: the difference counts
     assert full.nbytes == 4e9 + 12e9 + 4e9 + max(activations, 4 * 10**9)
+    no_kl = gpu_learner_plan(_cfg(ppo={"precision": "bfloat16-mixed", "kl_coef": 0.0}), SIZES)
+    assert no_kl.nbytes == full.nbytes - 4e9  # no reference copy without a KL term
     lora = gpu_learner_plan(_cfg(model={"lora": {"enabled": True}}), SIZES)
     assert "reference copy" not in {t.what for t in lora.terms}
     assert {t.what: t.nbytes for t in lora.terms}[

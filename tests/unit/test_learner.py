@@ -308,6 +308,33 @@ def _updates_off_and_on(tiny_cfg, policy, lora, setting, watch, values=(False, T
     return results
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_without_a_kl_term_the_reference_pass_is_skipped_and_the_update_is_the_same(
+    tiny_cfg, untrained_policy, lora, monkeypatch
+):
+    from treegrpo_ray.config import LoraSettings
+    from treegrpo_ray.config.schema import ModifiersConfig, PPOConfig
+
+    trees = _trees(tiny_cfg, untrained_policy, prompts=4)
+    ppo = tiny_cfg.ppo.model_copy(update={"kl_coef": 0.0})
+    settings = LoraSettings(enabled=lora, rank=8)
+    with monkeypatch.context() as patched:
+        patched.setattr(PPOConfig, "uses_reference", lambda self: True)  # the pass, at weight 0
+        forced = Learner(untrained_policy, ppo, temperature=1.0, lora=settings)
+    skipping = Learner(untrained_policy, ppo, temperature=1.0, lora=settings)
+    assert forced.reference and not skipping.reference and skipping.ref_model is None
+    with_pass, without = forced.update(trees), skipping.update(trees)
+    assert "learner/kl" in with_pass and "learner/kl" not in without
+    assert without["learner/loss"] == with_pass["learner/loss"]
+    for (name, want), (_, got) in zip(
+        forced.model.named_parameters(), skipping.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(got, want), name
+    # a role's own KL coefficient still needs the reference
+    role_kl = ppo.model_copy(update={"modifiers": ModifiersConfig(role_kl_coef={"search": 0.1})})
+    assert role_kl.uses_reference()
+
+
 def _grad_mode_calls_of_layer_0(learner):
     calls = []
     learner.model.get_decoder().layers[0].register_forward_pre_hook(

@@ -493,7 +493,12 @@ class PPOConfig(_Section):
     lr: float = Field(1.5e-4, gt=0, description="Adam learning rate of the policy.")
     clip_ratio: float = Field(0.2, gt=0, description="PPO ratio clip ε.")
     dual_clip: float = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages.")
-    kl_coef: float = Field(0.001, ge=0, description="Weight of the k3 KL to the reference policy.")
+    kl_coef: float = Field(
+        0.001,
+        ge=0,
+        description="Weight of the k3 KL to the reference policy. 0 (with no role_kl_coef above "
+        "0) skips the reference pass and keeps no reference copy.",
+    )
     kl_clamp: bool = Field(
         True,
         description="The k3 KL as the Tree-GRPO code computes it: log-ratio clamped to [-20, 20], "
@@ -578,6 +583,11 @@ class PPOConfig(_Section):
         "copies of those weights. False: torch's own path.",
     )
     modifiers: ModifiersConfig = Field(default_factory=ModifiersConfig)
+
+    def uses_reference(self) -> bool:
+        """Whether any token's KL coefficient can be non-zero. When none can, the learner keeps
+        no reference policy and skips its pass (as verl without a KL loss): same loss."""
+        return self.kl_coef > 0 or any(c > 0 for c in self.modifiers.role_kl_coef.values())
 
 
 class TrainConfig(_Section):
