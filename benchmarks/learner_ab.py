@@ -34,6 +34,8 @@ def _switch(learner: Learner, arm: str) -> None:
     learner.ppo = learner.ppo.model_validate({**learner.ppo.model_dump(), key: value})
     if key == "attention":
         learner.model.set_attn_implementation(attention_implementation(value, learner.device))
+    if key == "kl_coef":  # a LoRA learner's reference is its adapter disabled: nothing to build
+        learner.reference = learner.ppo.uses_reference()
 
 
 def main() -> None:
