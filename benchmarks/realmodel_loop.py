@@ -172,13 +172,15 @@ def learner_rates(updates: list[dict], sizes: dict, limits: dict, lora: bool) ->
     ref_s = sum(u["timing/ref_logprobs"] for u in updates)
     opt_s = sum(u["timing/optimize"] for u in updates)
     matmul = limits["matmul_gflop_s"] * 1e9
-    return {
+    rates = {
         "unique_tokens": tokens,
-        "reference_tokens_per_s": tokens / ref_s,
-        "reference_matmul_ratio": forward / ref_s / matmul,
         "train_tokens_per_s": tokens / opt_s,
         "train_matmul_ratio": (2 if lora else 3) * forward / opt_s / matmul,
     }
+    if ref_s > 0:  # no reference pass without a KL term (ppo.kl_coef 0)
+        rates["reference_tokens_per_s"] = tokens / ref_s
+        rates["reference_matmul_ratio"] = forward / ref_s / matmul
+    return rates
 
 
 def best_limits(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -278,9 +280,12 @@ def markdown(r: dict) -> str:
             f"rows, {mx['median_tokens']:.0f} tokens; {mx['steps']} steps) | "
             f"{mx['median_ms']:.1f} ms | {mx['roofline_ratio']:.2f}x the roofline |"
         )
+    if "reference_tokens_per_s" in le:
+        lines.append(
+            f"| learner reference pass, unique tokens/s | {le['reference_tokens_per_s']:.0f} "
+            f"| {le['reference_matmul_ratio']:.2f} of the matmul roofline |"
+        )
     lines += [
-        f"| learner reference pass, unique tokens/s | {le['reference_tokens_per_s']:.0f} "
-        f"| {le['reference_matmul_ratio']:.2f} of the matmul roofline |",
         f"| learner forward + backward, unique tokens/s | {le['train_tokens_per_s']:.0f} "
         f"| {le['train_matmul_ratio']:.2f} of the matmul roofline |",
         "",
