@@ -259,6 +259,11 @@ class PackedBatch:
         segment = self.segment[row, :n]
         return self.segment_visible[row, segment[:, None], segment[None, :]].tril()
 
+    def visible_pairs(self) -> int:
+        """The (query, key) pairs ``tree_mask`` keeps over the rows' real tokens, each token's
+        pair with itself included: the pairs attention needs, whatever its kernel computes."""
+        return sum(int(self._allowed(row).sum()) for row in range(self.num_rows))
+
     def attention_bias(self, row: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (1, 1, n, n) over the n real tokens of ``row``: 0 where ``tree_mask``
         allows attention, the dtype's lowest finite value elsewhere."""

@@ -136,6 +136,7 @@ def test_pack_lays_out_one_tree_with_path_positions_and_predecessors():
         [1, 1, 0, 0, 0, 0, 1, 1],
     ]
     assert batch.tree_mask.int().tolist() == [expected_mask]
+    assert batch.visible_pairs() == 28  # the ones above
     # leaves b, c; node a lies above b only
     assert batch.node_leaves.tolist() == [[1, 0], [1, 0], [0, 1]]
     assert batch.path_tokens == 6 + 4
@@ -156,8 +157,11 @@ def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
     )
     assert not bool((batch.tree_mask & pad[:, None, :] & ~pad[:, :, None]).any())
     # a tree's tokens see exactly what they see when the tree is packed alone: nothing across trees
-    alone = sum(int(pack_trees([t], budget, pad_token_id=0).tree_mask.sum()) for t in trees)
-    assert int((batch.tree_mask & ~pad[:, :, None]).sum()) == alone
+    alone = [pack_trees([t], budget, pad_token_id=0) for t in trees]
+    assert int((batch.tree_mask & ~pad[:, :, None]).sum()) == sum(
+        int(one.tree_mask.sum()) for one in alone
+    )
+    assert batch.visible_pairs() == sum(one.visible_pairs() for one in alone)
 
 
 def test_one_tree_per_row_gives_each_tree_and_each_piece_a_row_of_its_own():
