@@ -183,10 +183,12 @@ def prefill_rate(trace: list[ForwardTrace], sizes: dict, limits: dict) -> dict[s
     }
 
 
-def learner_rates(updates: list[dict], sizes: dict, limits: dict) -> dict[str, float]:
+def learner_rates(
+    updates: list[dict], sizes: dict, limits: dict, reference: bool
+) -> dict[str, float]:
     """Unique tokens/s and FLOP/s against the matmul roofline of the learner's passes over
     ``updates`` (their metrics, with ``actions``, ``attention_pairs`` and ``adapter_params``; see
-    the module's docstring for the count)."""
+    the module's docstring for the count); the reference pass's only if the learner has one."""
     tokens = sum(u["learner/tokens"] for u in updates)
     actions = sum(u["actions"] for u in updates)
     linears = 2 * sizes["body_params"] * tokens + 2 * sizes["head_params"] * actions
@@ -203,7 +205,7 @@ def learner_rates(updates: list[dict], sizes: dict, limits: dict) -> dict[str, f
         "train_matmul_ratio": (frozen * linears + 3 * (adapter + attention)) / opt_s / matmul,
         "train_linears_ratio": frozen * linears / opt_s / matmul,
     }
-    if ref_s > 0:  # no reference pass without a KL term (ppo.kl_coef 0)
+    if reference:  # none without a KL term (ppo.kl_coef 0): its timing is of an empty loop
         rates["reference_tokens_per_s"] = tokens / ref_s
         rates["reference_matmul_ratio"] = (linears + attention) / ref_s / matmul
         rates["reference_linears_ratio"] = linears / ref_s / matmul
@@ -275,7 +277,7 @@ def run(preset: str, updates: int, threads: int, overrides: list[str]) -> dict:
         "prefill": prefill_rate(engine.trace, sizes, limits),
         "mixed": mixed_ratio(engine.trace, sizes, limits),
         # update 1 pays the one-time costs (ppo.compile_layers' compiles), so rates are of the rest
-        "learner": learner_rates(learned[1:], sizes, limits),
+        "learner": learner_rates(learned[1:], sizes, limits, learner.reference),
         "learner_first_update_s": learned[0]["timing/ref_logprobs"] + learned[0]["timing/optimize"],
     }
 
