@@ -194,7 +194,10 @@ def learner_rates(
     linears = 2 * sizes["body_params"] * tokens + 2 * sizes["head_params"] * actions
     attention = sizes["attention_pair_flops"] * sum(u["attention_pairs"] for u in updates)
     adapter = 2 * sum(u["adapter_params"] * u["learner/tokens"] for u in updates)
-    frozen = 2 if adapter else 3  # a frozen linear's backward: its input gradients only
+    # passes over the linears in forward + backward: under LoRA they are frozen, and a frozen
+    # linear's backward computes its input gradients only
+    linear_passes = 2 if adapter else 3
+    train = linear_passes * linears + 3 * (adapter + attention)
     ref_s = sum(u["timing/ref_logprobs"] for u in updates)
     opt_s = sum(u["timing/optimize"] for u in updates)
     matmul = limits["matmul_gflop_s"] * 1e9
@@ -202,8 +205,8 @@ def learner_rates(
         "unique_tokens": tokens,
         "attention_share_of_forward": attention / (linears + adapter + attention),
         "train_tokens_per_s": tokens / opt_s,
-        "train_matmul_ratio": (frozen * linears + 3 * (adapter + attention)) / opt_s / matmul,
-        "train_linears_ratio": frozen * linears / opt_s / matmul,
+        "train_matmul_ratio": train / opt_s / matmul,
+        "train_linears_ratio": linear_passes * linears / opt_s / matmul,
     }
     if reference:  # none without a KL term (ppo.kl_coef 0): its timing is of an empty loop
         rates["reference_tokens_per_s"] = tokens / ref_s
