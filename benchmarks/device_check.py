@@ -93,7 +93,7 @@ def one_row(size: int, device: torch.device) -> PackedBatch:
     """A packed batch of one row: as many whole trees as fit in ``size`` tokens."""
     kept, total = [], 0
     for tree in synthetic_trees(SHAPES["standard"], prompts=size // 100, seed=0):
-        tokens = len(tree.prompt_ids) + sum(node.token_count for node in tree.nodes)
+        tokens = tree.token_count
         if total + tokens > size:
             break
         kept.append(tree)

@@ -118,7 +118,7 @@ def model_sizes(engine: HFEngine) -> dict[str, float]:
 
 def attention_pairs(trees: list[Tree]) -> int:
     """The (query, key) pairs of every tree's own mask, each tree whole (``visible_pairs``)."""
-    widest = max(len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees)
+    widest = max(t.token_count for t in trees)
     return pack_trees(trees, widest, pad_token_id=0, one_tree_per_row=True).visible_pairs()
 
 

@@ -183,11 +183,7 @@ class RolloutLoad:
     @classmethod
     def of_trees(cls, trees: list[Tree]) -> RolloutLoad:
         prompts = {t.group_id: len(t.prompt_ids) for t in trees}
-        paths = [
-            len(t.prompt_ids) + sum(n.token_count for n in t.path(leaf.node_id))
-            for t in trees
-            for leaf in t.leaves()
-        ]
+        paths = [t.path_token_count(leaf.node_id) for t in trees for leaf in t.leaves()]
         nodes = sum(n.token_count for t in trees for n in t.nodes)
         return cls(len(paths), sum(prompts.values()) + nodes, sum(paths), max(paths))
 

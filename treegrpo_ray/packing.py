@@ -540,7 +540,7 @@ def pack_trees(
     node_offset = [0]
     for tree in trees:
         node_offset.append(node_offset[-1] + len(tree.nodes))
-    unique = sum(len(tree.prompt_ids) + sum(n.token_count for n in tree.nodes) for tree in trees)
+    unique = sum(tree.token_count for tree in trees)
     width = max(sum(len(laid_out[i][1].ids) for i in row) for row in rows)
     segments = max(1 + sum(len(laid_out[i][1].visible) for i in row) for row in rows)
     shape = (len(rows), width)
@@ -587,7 +587,7 @@ def _leaf_fields(trees: list[Tree]) -> dict:
     path_tokens = 0
     for col, (tree, leaf) in enumerate(leaves):
         path = tree.path(leaf.node_id)
-        path_tokens += len(tree.prompt_ids) + sum(node.token_count for node in path)
+        path_tokens += tree.path_token_count(leaf.node_id)
         for node in path:
             node_leaves[index[(id(tree), node.node_id)], col] = 1.0
     return dict(

@@ -163,6 +163,15 @@ class Tree:
             node_id = node.parent_id
         return path[::-1]
 
+    @property
+    def token_count(self) -> int:
+        """Prompt tokens plus every node's tokens: the tree's length packed whole."""
+        return len(self.prompt_ids) + sum(node.token_count for node in self.nodes)
+
+    def path_token_count(self, node_id: int) -> int:
+        """Prompt tokens plus those of the path down to ``node_id``: that chain laid out flat."""
+        return len(self.prompt_ids) + sum(node.token_count for node in self.path(node_id))
+
     def prefix_ids(self, node_id: int) -> list[int]:
         """Token ids a continuation of ``node_id`` is conditioned on: prompt + path tokens."""
         ids = list(self.prompt_ids)

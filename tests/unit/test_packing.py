@@ -144,7 +144,7 @@ def test_pack_lays_out_one_tree_with_path_positions_and_predecessors():
 
 def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
     trees = _forest(0, trees=5)
-    sizes = [len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees]
+    sizes = [t.token_count for t in trees]
     budget = max(sizes) + 5
     batch = pack_trees(trees, micro_batch_tokens=budget, pad_token_id=0)
     assert batch.num_rows > 1 and batch.input_ids.shape[1] <= budget
@@ -166,7 +166,7 @@ def test_pack_fills_rows_with_whole_trees_and_pads_to_the_longest_row():
 
 def test_one_tree_per_row_gives_each_tree_and_each_piece_a_row_of_its_own():
     trees = _forest(1, trees=5)
-    sizes = [len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees]
+    sizes = [t.token_count for t in trees]
     shared = pack_trees(trees, micro_batch_tokens=sum(sizes), pad_token_id=0)
     apart = pack_trees(trees, micro_batch_tokens=sum(sizes), pad_token_id=0, one_tree_per_row=True)
     assert shared.num_rows == 1
@@ -186,7 +186,7 @@ def _longest_path(trees):
 
 
 def _unique_tokens(trees):
-    return sum(len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees)
+    return sum(t.token_count for t in trees)
 
 
 def test_a_tree_over_the_budget_is_split_by_subtree_with_its_ancestors_as_context():
@@ -232,7 +232,7 @@ def test_a_path_over_the_budget_is_rejected_with_the_budget_it_needs():
 def test_split_trees_train_each_node_once_and_trees_that_fit_stay_whole(seed):
     rng = random.Random(seed)
     trees = _forest(seed, trees=5, depth=rng.randint(2, 5), branches=rng.randint(1, 5))
-    sizes = [len(t.prompt_ids) + sum(n.token_count for n in t.nodes) for t in trees]
+    sizes = [t.token_count for t in trees]
     budget = rng.randint(_longest_path(trees), max(sizes) - 1)
     batch = pack_trees(trees, micro_batch_tokens=budget, pad_token_id=0)
     split = [size > budget for size in sizes]

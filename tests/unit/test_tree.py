@@ -90,6 +90,14 @@ def test_tree_paths_prefixes_and_depths():
     assert [n.node_id for n in tree.leaves()] == [1, 2, 3]
 
 
+def test_token_counts_of_the_tree_and_of_a_path():
+    tree = _example_tree()  # prompt 3 tokens; node 0: 3 action + 2 observation; leaves: 3 each
+    assert tree.token_count == 3 + 5 + 3 + 3 + 3
+    assert tree.path_token_count(2) == 3 + 5 + 3
+    assert tree.path_token_count(3) == 3 + 3
+    assert tree.path_token_count(ROOT) == 3
+
+
 def test_keep_leaves_prunes_and_renumbers():
     tree = _example_tree()
     tree.keep_leaves({2, 3})
