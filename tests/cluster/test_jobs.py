@@ -396,7 +396,9 @@ def _placement_groups(cluster) -> list[dict]:
     return reply.json()["data"]["result"]["result"]
 
 
-@pytest.mark.timeout(900)
+# Four scale jobs and two worker starts beside a job training flat out: ~4 min on an idle 2-core
+# machine, past 15 min with both cores busy (a guard against a hang, not a speed bound)
+@pytest.mark.timeout(2400)
 def test_single_gpu_engines_scale_up_to_the_free_gpus_and_down_again(
     with_token, tiny_cfg, tiny_policy, tmp_path, follow_records
 ):
